@@ -1,0 +1,82 @@
+"""Atomic file writes and safetensors round trips (no pickle anywhere)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["atomic_write", "load_tensors", "save_tensors", "write_json", "write_text"]
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, fsync, then rename.
+
+    A reader never sees a partial file under the final name: a crash leaves at
+    most a ``.tmp`` file that the next run overwrites.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(f"cannot create the output folder {path.parent}: {err.strerror}; "
+                      "choose a writable --out.") from err
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        write(tmp_path)
+        with open(tmp_path, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, path)
+    finally:
+        tmp_path.unlink(missing_ok=True)
+    return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    return write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> Path:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    return atomic_write(path, lambda p: save_file(tensors, str(p), metadata=metadata))
+
+
+def load_tensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; check the path.")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = dict(fh.metadata() or {})
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{path} is corrupt or truncated ({err}); delete it and re-create it.") from err
+    return tensors, meta
+
+
+def tensor_hash(tensors: dict[str, Tensor]) -> str:
+    """SHA-256 over names, dtypes, shapes and bytes of a state dict (order independent)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,255 @@
+"""Streaming, mergeable sufficient statistics of vectors.
+
+`Moments` keeps the count, the mean and the centred scatter matrix of a stream
+of d-dimensional vectors in float64, whatever the input dtype or device. Batches
+are combined with Chan et al.'s pairwise formulas, which are exact in exact
+arithmetic and numerically stable: a stream whose mean is 1e4 with unit spread
+keeps its covariance to ~1e-12 relative, where a naive E[xxᵀ] − μμᵀ loses it all.
+
+The sum and the uncentred Gram matrix are derived on demand, so every use
+(`covariance`, `second_moment`, merge, all-reduce) reads one consistent state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+__all__ = ["Moments"]
+
+
+def _as_float64_rows(x: Tensor | object, name: str = "x") -> Tensor:
+    if not isinstance(x, Tensor):
+        x = torch.as_tensor(x)
+    if x.ndim < 1:
+        raise ValueError(f"{name} must have shape (..., d); got a scalar. Pass vectors as rows.")
+    x = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(
+            f"{name} contains NaN or Inf; check the model's dtype (overflow in float16?) "
+            "or mask the offending positions with mask=."
+        )
+    return x
+
+
+class Moments:
+    """Count, sum and Gram matrix of a stream of vectors, in float64.
+
+    >>> m = Moments()
+    >>> m.update(torch.randn(8, 128, 64))     # (..., d); d inferred on first use
+    >>> m.covariance().shape
+    torch.Size([64, 64])
+
+    State: ``count`` (number of vectors), ``mean_`` (d,), ``scatter`` (d, d) =
+    Σ (x − mean)(x − mean)ᵀ. ``sum`` and ``gram`` (Σ x xᵀ) are derived.
+    """
+
+    def __init__(self, d: int | None = None, device: torch.device | str | None = None) -> None:
+        self._n = 0
+        self._mean: Tensor | None = None
+        self._scatter: Tensor | None = None
+        self._device = torch.device(device) if device is not None else None
+        if d is not None:
+            self._init(int(d), self._device or torch.device("cpu"))
+
+    def _init(self, d: int, device: torch.device) -> None:
+        if d < 1:
+            raise ValueError(f"d must be >= 1; got {d}.")
+        self._device = device
+        self._mean = torch.zeros(d, dtype=torch.float64, device=device)
+        self._scatter = torch.zeros(d, d, dtype=torch.float64, device=device)
+
+    # ------------------------------------------------------------------ update
+    @torch.no_grad()
+    def update(self, x: Tensor, mask: Tensor | None = None) -> Moments:
+        """Add the vectors of ``x`` (shape ``(..., d)``); ``mask`` (shape ``x.shape[:-1]``)
+        keeps positions where it is true (e.g. an attention mask dropping padding)."""
+        if not isinstance(x, Tensor):
+            x = torch.as_tensor(x)
+        if mask is not None:
+            mask = torch.as_tensor(mask, device=x.device).bool()
+            if tuple(mask.shape) != tuple(x.shape[:-1]):
+                raise ValueError(
+                    f"mask must have shape x.shape[:-1] = {tuple(x.shape[:-1])}; "
+                    f"got {tuple(mask.shape)}."
+                )
+            x = x[mask]
+        rows = _as_float64_rows(x)
+        if self._mean is None:
+            self._init(rows.shape[1], self._device or rows.device)
+        if rows.shape[1] != self.d:
+            raise ValueError(
+                f"x has d={rows.shape[1]} but these Moments hold d={self.d}; "
+                "use one Moments per site."
+            )
+        if rows.shape[0] == 0:
+            return self
+        rows = rows.to(self._device)
+        n_b = rows.shape[0]
+        mean_b = rows.mean(0)
+        centred = rows - mean_b
+        scatter_b = centred.T @ centred
+        self._combine(n_b, mean_b, scatter_b)
+        return self
+
+    def _combine(self, n_b: int, mean_b: Tensor, scatter_b: Tensor) -> None:
+        n_a = self._n
+        n = n_a + n_b
+        if n == 0:
+            return
+        delta = mean_b - self._mean
+        self._mean += delta * (n_b / n)
+        self._scatter += scatter_b + torch.outer(delta, delta) * (n_a * n_b / n)
+        self._n = n
+
+    # ------------------------------------------------------------------- merge
+    def merge(self, other: Moments) -> Moments:
+        """Fold ``other`` into ``self`` (Chan's formula; exact) and return ``self``."""
+        if not isinstance(other, Moments):
+            raise TypeError(f"merge takes a Moments; got {type(other).__name__}.")
+        if other._mean is None:
+            return self
+        if self._mean is None:
+            self._init(other.d, self._device or other._device)
+        if other.d != self.d:
+            raise ValueError(f"cannot merge Moments with d={other.d} into d={self.d}.")
+        self._combine(
+            other._n, other._mean.to(self._device), other._scatter.to(self._device)
+        )
+        return self
+
+    def __add__(self, other: Moments) -> Moments:
+        return self.copy().merge(other)
+
+    def copy(self) -> Moments:
+        out = Moments()
+        out.load_state_dict(self.state_dict())
+        return out
+
+    # -------------------------------------------------------------- properties
+    @property
+    def d(self) -> int:
+        if self._mean is None:
+            raise ValueError("these Moments are empty: call update() with data first.")
+        return int(self._mean.shape[0])
+
+    @property
+    def count(self) -> int:
+        return self._n
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    def _require_data(self, what: str, minimum: int = 1) -> None:
+        if self._n < minimum:
+            raise ValueError(
+                f"{what} needs at least {minimum} vector(s); these Moments hold {self._n}. "
+                "Feed more tokens with update()."
+            )
+
+    @property
+    def mean(self) -> Tensor:
+        self._require_data("mean")
+        return self._mean.clone()
+
+    @property
+    def sum(self) -> Tensor:
+        self._require_data("sum", 0)
+        return self._mean * self._n if self._mean is not None else torch.zeros(0)
+
+    @property
+    def gram(self) -> Tensor:
+        """Σ x xᵀ (uncentred)."""
+        self._require_data("gram")
+        return self._scatter + torch.outer(self._mean, self._mean) * self._n
+
+    def covariance(self, ddof: int = 0) -> Tensor:
+        """Centred covariance Σ (x − μ)(x − μ)ᵀ / (count − ddof).
+
+        ``ddof=0`` (default) is the maximum-likelihood normalisation used by every
+        metric here; ``ddof=1`` gives the unbiased sample covariance (numpy's default).
+        """
+        self._require_data("covariance", ddof + 1)
+        return self._scatter / (self._n - ddof)
+
+    def second_moment(self) -> Tensor:
+        """Uncentred second moment E[x xᵀ] = Σ x xᵀ / count."""
+        self._require_data("second_moment")
+        return self._scatter / self._n + torch.outer(self._mean, self._mean)
+
+    def trace_second_moment(self) -> float:
+        """E‖x‖² without forming the d×d matrix."""
+        self._require_data("trace_second_moment")
+        return float(torch.diagonal(self._scatter).sum() / self._n + self._mean @ self._mean)
+
+    # -------------------------------------------------------------- state_dict
+    def state_dict(self) -> dict[str, Tensor]:
+        if self._mean is None:
+            return {"count": torch.tensor(0, dtype=torch.int64)}
+        return {
+            "count": torch.tensor(self._n, dtype=torch.int64),
+            "mean": self._mean.clone(),
+            "scatter": self._scatter.clone(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> Moments:
+        if "count" not in state:
+            raise ValueError("state has no 'count'; it was not written by Moments.state_dict().")
+        n = int(state["count"])
+        if n == 0 and "mean" not in state:
+            self._n, self._mean, self._scatter = 0, None, None
+            return self
+        mean = torch.as_tensor(state["mean"], dtype=torch.float64)
+        scatter = torch.as_tensor(state["scatter"], dtype=torch.float64)
+        d = mean.shape[0]
+        if mean.ndim != 1 or tuple(scatter.shape) != (d, d) or n < 0:
+            raise ValueError(
+                f"corrupt Moments state: mean {tuple(mean.shape)}, scatter {tuple(scatter.shape)}, "
+                f"count {n}."
+            )
+        self._device = mean.device if self._device is None else self._device
+        self._n = n
+        self._mean = mean.to(self._device).clone()
+        self._scatter = scatter.to(self._device).clone()
+        return self
+
+    # -------------------------------------------------------------- distributed
+    def all_reduce_(self, group: object | None = None) -> Moments:
+        """Merge these Moments across all ranks of ``torch.distributed`` in place.
+
+        Sends count, sum and Gram (plain sums) then re-centres; every rank ends
+        with the pooled statistics. A no-op when torch.distributed is not initialised.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        if self._mean is None:
+            raise ValueError(
+                "all_reduce_ needs d on every rank: construct Moments(d=...) "
+                "or update before reducing."
+            )
+        n = torch.tensor([float(self._n)], dtype=torch.float64, device=self._device)
+        s = self._mean * self._n
+        # A shifted Gram keeps precision: reduce Σ(x − c)(x − c)ᵀ about a shared centre c.
+        centre = s.clone()
+        dist.all_reduce(centre, group=group)
+        dist.all_reduce(n, group=group)
+        total = int(n.item())
+        if total == 0:
+            return self
+        centre /= total
+        dm = self._mean - centre
+        shifted = self._scatter + torch.outer(dm, dm) * self._n
+        dist.all_reduce(shifted, group=group)
+        self._n = total
+        self._mean = centre
+        self._scatter = shifted
+        return self
+
+    def __repr__(self) -> str:
+        d = self.d if self._mean is not None else None
+        return f"Moments(d={d}, count={self._n})"

@@ -1,0 +1,263 @@
+"""Tangent subspaces: orthonormal bases Q_T fitted by PCA on streaming statistics.
+
+`TangentBasis` follows scikit-learn's conventions: hyper-parameters in the
+constructor or `fit`, fitted attributes end in ``_``, points are rows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .stats import Moments
+
+__all__ = ["TangentBasis", "complement", "normal_controls", "uniform_controls"]
+
+_ORTHO_TOL = 1e-6
+
+
+def _check_orthonormal(q: Tensor, name: str = "q") -> Tensor:
+    if q.ndim != 2:
+        raise ValueError(f"{name} must be a (d, k) matrix; got shape {tuple(q.shape)}.")
+    d, k = q.shape
+    if not 1 <= k < d:
+        raise ValueError(
+            f"{name} has rank k={k} for d={d}; a tangent basis needs 1 <= k < d "
+            "(pass fewer columns)."
+        )
+    if not bool(torch.isfinite(q).all()):
+        raise ValueError(f"{name} contains NaN or Inf.")
+    q64 = q.to(torch.float64)
+    err = (q64.T @ q64 - torch.eye(k, dtype=torch.float64, device=q.device)).abs().max().item()
+    if err > _ORTHO_TOL:
+        raise ValueError(
+            f"{name} is not orthonormal (max |QᵀQ − I| = {err:.2e}); "
+            "orthonormalise it first, e.g. torch.linalg.qr(q).Q."
+        )
+    return q64
+
+
+class TangentBasis:
+    """An orthonormal basis Q_T of shape ``(d, k)`` with provenance.
+
+    ``TangentBasis(q)`` wraps a given orthonormal matrix (checked);
+    ``TangentBasis.fit(moments, rank=k)`` or ``fit(moments, variance=0.9)`` runs
+    centred PCA on the statistics. ``split(x)`` returns ``(tangent, normal)``.
+    """
+
+    def __init__(
+        self,
+        q: Tensor,
+        *,
+        explained_variance: Tensor | None = None,
+        mean: Tensor | None = None,
+        total_variance: float | None = None,
+        provenance: dict[str, Any] | None = None,
+    ) -> None:
+        self.basis_ = _check_orthonormal(torch.as_tensor(q), "q").contiguous()
+        self.explained_variance_ = (
+            None if explained_variance is None else torch.as_tensor(explained_variance).double()
+        )
+        self.mean_ = None if mean is None else torch.as_tensor(mean).double()
+        self.total_variance_ = total_variance
+        self.provenance = dict(provenance or {})
+
+    # ------------------------------------------------------------------ fit
+    @classmethod
+    def fit(
+        cls,
+        moments: Moments,
+        rank: int | None = None,
+        *,
+        variance: float | None = None,
+        provenance: dict[str, Any] | None = None,
+    ) -> TangentBasis:
+        """Centred PCA of ``moments``: the top ``rank`` eigenvectors of the covariance,
+        or the fewest that explain a ``variance`` fraction of it."""
+        if not isinstance(moments, Moments):
+            raise TypeError(f"moments must be a Moments; got {type(moments).__name__}.")
+        if (rank is None) == (variance is None):
+            raise ValueError("pass exactly one of rank= (an int) or variance= (a fraction in (0, 1]).")
+        if moments.count < 2:
+            raise ValueError(
+                f"fitting a basis needs at least 2 vectors; the moments hold {moments.count}."
+            )
+        cov = moments.covariance()
+        d = cov.shape[0]
+        evals, evecs = torch.linalg.eigh(cov)
+        evals, evecs = evals.flip(0).clamp_min(0), evecs.flip(1)
+        total = float(evals.sum())
+        if rank is None:
+            if not 0 < variance <= 1:
+                raise ValueError(f"variance must be in (0, 1]; got {variance}.")
+            if total <= 0:
+                raise ValueError("the activations have zero variance; no subspace to fit.")
+            cum = torch.cumsum(evals, 0) / total
+            rank = int(torch.searchsorted(cum, torch.tensor(variance, dtype=cum.dtype)).item()) + 1
+            rank = min(rank, d - 1)
+        if not isinstance(rank, int) or not 1 <= rank < d:
+            raise ValueError(f"rank must be an int with 1 <= rank < d={d}; got {rank!r}.")
+        q = evecs[:, :rank]
+        # Deterministic signs: the largest-magnitude entry of each column is positive.
+        pivots = q[q.abs().argmax(0), torch.arange(rank)]
+        q = q * torch.where(pivots < 0, -1.0, 1.0).to(q.dtype)
+        prov = {"rank": rank, "count": moments.count, "d": d, **(provenance or {})}
+        return cls(
+            q, explained_variance=evals[:rank], mean=moments.mean, total_variance=total,
+            provenance=prov,
+        )
+
+    # ------------------------------------------------------------- geometry
+    @property
+    def d(self) -> int:
+        return int(self.basis_.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.basis_.shape[1])
+
+    @property
+    def explained_variance_ratio_(self) -> Tensor | None:
+        if self.explained_variance_ is None or not self.total_variance_:
+            return None
+        return self.explained_variance_ / self.total_variance_
+
+    def _check_x(self, x: Tensor, name: str = "x") -> Tensor:
+        x = torch.as_tensor(x)
+        if x.ndim < 1 or x.shape[-1] != self.d:
+            raise ValueError(
+                f"{name} must have shape (..., {self.d}) to match this basis; got {tuple(x.shape)}. "
+                "Was the basis fitted at another site or on another model?"
+            )
+        return x
+
+    def coordinates(self, x: Tensor) -> Tensor:
+        """x Q_T: coordinates in the tangent basis, shape ``(..., k)``, float64."""
+        x = self._check_x(x)
+        return x.to(torch.float64) @ self.basis_.to(x.device)
+
+    def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(tangent, normal)`` with ``tangent + normal == x`` exactly.
+
+        Both are returned in float64 (or x's dtype if wider). The tangent part is
+        x Q Qᵀ rounded to x's own precision, so for float32/16 inputs the float64
+        difference is exact and the sum reproduces x bit for bit.
+        """
+        x = self._check_x(x)
+        out_dtype = torch.promote_types(x.dtype, torch.float64)
+        q = self.basis_.to(x.device, out_dtype)
+        xw = x.to(out_dtype)
+        tangent = (xw @ q) @ q.T
+        if x.dtype != out_dtype:
+            tangent = tangent.to(x.dtype).to(out_dtype)
+        normal = xw - tangent
+        return tangent, normal
+
+    def projector(self) -> Tensor:
+        """Q_T Q_Tᵀ, float64 (d, d)."""
+        return self.basis_ @ self.basis_.T
+
+    # ----------------------------------------------------------- save / load
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "d": self.d,
+            "k": self.k,
+            "total_variance": self.total_variance_,
+            "provenance": self.provenance,
+        }
+
+    def tensors(self) -> dict[str, Tensor]:
+        out = {"basis": self.basis_.cpu().contiguous()}
+        if self.explained_variance_ is not None:
+            out["explained_variance"] = self.explained_variance_.cpu().contiguous()
+        if self.mean_ is not None:
+            out["mean"] = self.mean_.cpu().contiguous()
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], meta: dict[str, Any]) -> TangentBasis:
+        if "basis" not in tensors:
+            raise ValueError("no 'basis' tensor in the file; it was not written by TangentBasis.save.")
+        return cls(
+            tensors["basis"],
+            explained_variance=tensors.get("explained_variance"),
+            mean=tensors.get("mean"),
+            total_variance=meta.get("total_variance"),
+            provenance=meta.get("provenance", {}),
+        )
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``path`` (safetensors, with the JSON metadata in its header) atomically."""
+        from .io import save_tensors
+
+        return save_tensors(path, self.tensors(), {"tangentlens": json.dumps(self.to_dict())})
+
+    @classmethod
+    def load(cls, path: str | Path) -> TangentBasis:
+        from .io import load_tensors
+
+        tensors, meta = load_tensors(path)
+        if "tangentlens" not in meta:
+            raise ValueError(f"{path} has no tangentlens metadata; it is not a saved TangentBasis.")
+        return cls.from_tensors(tensors, json.loads(meta["tangentlens"]))
+
+    def __repr__(self) -> str:
+        return f"TangentBasis(d={self.d}, k={self.k})"
+
+
+# --------------------------------------------------------------- complements
+def complement(basis: TangentBasis | Tensor) -> Tensor:
+    """An orthonormal basis ``(d, d − k)`` of the orthogonal complement of Q_T."""
+    q = basis.basis_ if isinstance(basis, TangentBasis) else _check_orthonormal(basis)
+    d, k = q.shape
+    full, _ = torch.linalg.qr(q, mode="complete")
+    return full[:, k:]
+
+
+def _basis_q(basis: TangentBasis | Tensor) -> Tensor:
+    return basis.basis_ if isinstance(basis, TangentBasis) else _check_orthonormal(basis, "basis")
+
+
+def _random_frames(n: int, d: int, k: int, generator: torch.Generator) -> Tensor:
+    g = torch.randn(n, d, k, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(g)
+    # Haar measure: fix the QR sign ambiguity with the sign of diag(R).
+    signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
+    signs[signs == 0] = 1
+    return q * signs.unsqueeze(-2)
+
+
+def normal_controls(
+    basis: TangentBasis | Tensor, n: int, seed: int = 0, rank: int | None = None
+) -> Tensor:
+    """``(n, d, k)`` uniformly random orthonormal k-frames in the complement of Q_T.
+
+    Gaussian frames are drawn in the coordinates of a fixed complement basis, so
+    they are orthogonal to Q_T by construction; reproducible from ``seed``.
+    """
+    q = _basis_q(basis)
+    d, k = q.shape
+    k = k if rank is None else rank
+    if n < 1:
+        raise ValueError(f"n (number of controls) must be >= 1; got {n}.")
+    if not 1 <= k <= d - q.shape[1]:
+        raise ValueError(
+            f"a control of rank {k} does not fit in the {d - q.shape[1]}-dim complement; "
+            "use a smaller basis rank."
+        )
+    comp = complement(q)
+    gen = torch.Generator().manual_seed(int(seed))
+    frames = _random_frames(n, d - q.shape[1], k, gen)
+    return comp @ frames
+
+
+def uniform_controls(d: int, k: int, n: int, seed: int = 0) -> Tensor:
+    """``(n, d, k)`` orthonormal k-frames drawn uniformly (Haar) from the whole space."""
+    if not 1 <= k <= d:
+        raise ValueError(f"rank k must be in [1, d={d}]; got {k}.")
+    gen = torch.Generator().manual_seed(int(seed))
+    return _random_frames(n, d, k, gen)
