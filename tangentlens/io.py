@@ -66,7 +66,9 @@ def load_tensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             meta = dict(fh.metadata() or {})
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
     except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{path} is corrupt or truncated ({err}); delete it and re-create it.") from err
+        raise ValueError(
+            f"{path} is corrupt or truncated ({err}); delete it and re-create it."
+        ) from err
     return tensors, meta
 
 

@@ -81,7 +81,9 @@ class TangentBasis:
         if not isinstance(moments, Moments):
             raise TypeError(f"moments must be a Moments; got {type(moments).__name__}.")
         if (rank is None) == (variance is None):
-            raise ValueError("pass exactly one of rank= (an int) or variance= (a fraction in (0, 1]).")
+            raise ValueError(
+                "pass exactly one of rank= (an int) or variance= (a fraction in (0, 1])."
+            )
         if moments.count < 2:
             raise ValueError(
                 f"fitting a basis needs at least 2 vectors; the moments hold {moments.count}."
@@ -130,7 +132,8 @@ class TangentBasis:
         x = torch.as_tensor(x)
         if x.ndim < 1 or x.shape[-1] != self.d:
             raise ValueError(
-                f"{name} must have shape (..., {self.d}) to match this basis; got {tuple(x.shape)}. "
+                f"{name} must have shape (..., {self.d}) to match this basis; "
+                f"got {tuple(x.shape)}. "
                 "Was the basis fitted at another site or on another model?"
             )
         return x
@@ -181,7 +184,9 @@ class TangentBasis:
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], meta: dict[str, Any]) -> TangentBasis:
         if "basis" not in tensors:
-            raise ValueError("no 'basis' tensor in the file; it was not written by TangentBasis.save.")
+            raise ValueError(
+                "no 'basis' tensor in the file; it was not written by TangentBasis.save."
+            )
         return cls(
             tensors["basis"],
             explained_variance=tensors.get("explained_variance"),
@@ -213,7 +218,7 @@ class TangentBasis:
 def complement(basis: TangentBasis | Tensor) -> Tensor:
     """An orthonormal basis ``(d, d − k)`` of the orthogonal complement of Q_T."""
     q = basis.basis_ if isinstance(basis, TangentBasis) else _check_orthonormal(basis)
-    d, k = q.shape
+    k = q.shape[1]
     full, _ = torch.linalg.qr(q, mode="complete")
     return full[:, k:]
 
