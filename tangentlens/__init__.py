@@ -26,8 +26,20 @@ _LAZY = {
     "StudyConfig": "tangentlens.study",
 }
 _SUBMODULES = {
-    "stats", "metrics", "subspace", "significance", "hooks", "probes", "checkpoints",
-    "corpus", "embedding", "train", "study", "report", "models", "io",
+    "stats",
+    "metrics",
+    "subspace",
+    "significance",
+    "hooks",
+    "probes",
+    "checkpoints",
+    "corpus",
+    "embedding",
+    "train",
+    "study",
+    "report",
+    "models",
+    "io",
 }
 
 __all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])

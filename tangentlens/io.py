@@ -25,8 +25,10 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise OSError(f"cannot create the output folder {path.parent}: {err.strerror}; "
-                      "choose a writable --out.") from err
+        raise OSError(
+            f"cannot create the output folder {path.parent}: {err.strerror}; "
+            "choose a writable --out."
+        ) from err
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)

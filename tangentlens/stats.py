@@ -115,9 +115,7 @@ class Moments:
             self._init(other.d, self._device or other._device)
         if other.d != self.d:
             raise ValueError(f"cannot merge Moments with d={other.d} into d={self.d}.")
-        self._combine(
-            other._n, other._mean.to(self._device), other._scatter.to(self._device)
-        )
+        self._combine(other._n, other._mean.to(self._device), other._scatter.to(self._device))
         return self
 
     def __add__(self, other: Moments) -> Moments:

@@ -109,7 +109,10 @@ class TangentBasis:
         q = q * torch.where(pivots < 0, -1.0, 1.0).to(q.dtype)
         prov = {"rank": rank, "count": moments.count, "d": d, **(provenance or {})}
         return cls(
-            q, explained_variance=evals[:rank], mean=moments.mean, total_variance=total,
+            q,
+            explained_variance=evals[:rank],
+            mean=moments.mean,
+            total_variance=total,
             provenance=prov,
         )
 
