@@ -1,0 +1,104 @@
+"""The backend protocol: the only place where probes touch a model.
+
+A backend wraps one model of one library (TransformerLens, nnsight) and offers
+hooks on `Site`s. Every ``add_*`` method returns a `Handle` whose ``remove()``
+removes exactly that hook and nothing else; probes remove them in ``finally``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from .sites import Site
+
+__all__ = ["Backend", "Handle", "TensorFn", "get_backend"]
+
+TensorFn = Callable[[Tensor], Tensor | None]
+"""A hook body: gets the activation (forward) or its gradient (backward); returns
+``None`` to observe, or a tensor to replace the activation (forward only)."""
+
+
+@runtime_checkable
+class Handle(Protocol):
+    def remove(self) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Hooks on sites of one model. Implemented by `TransformerLensBackend` and the
+    nnsight backend (`tangentlens.hooks.nnsight`)."""
+
+    model: Any
+
+    @property
+    def n_layers(self) -> int: ...
+
+    @property
+    def d_model(self) -> int: ...
+
+    @property
+    def causal(self) -> bool:
+        """True for decoder LMs (next-token loss applies), False for encoders."""
+        ...
+
+    def sites(self) -> list[Site]:
+        """Every site this model has (a parallel-residual block has no resid_mid)."""
+        ...
+
+    def add_forward_hook(self, site: Site, fn: TensorFn) -> Handle: ...
+
+    def add_backward_hook(self, site: Site, fn: TensorFn) -> Handle:
+        """``fn`` gets the gradient of the loss with respect to the site's activation."""
+        ...
+
+    def watch_inputs(self, fn: Callable[[Tensor | None], None]) -> Handle:
+        """Call ``fn(attention_mask or None)`` at the start of every forward pass."""
+        ...
+
+    def require_input_grad(
+        self, fn: Callable[[Tensor], None] | None = None, *, force: bool = False
+    ) -> Handle:
+        """In grad mode, replace the embedding output by a leaf that requires grad when it
+        does not (frozen models), so backward hooks fire; ``force``: always (to take
+        gradients with respect to it). ``fn`` (optional) receives that leaf."""
+        ...
+
+    def attention_params(self, layer: int) -> Any:
+        """`tangentlens.probes.attention.AttentionParams` of ``layer``."""
+        ...
+
+
+def get_backend(model: Any) -> Backend:
+    """The backend for ``model``: TransformerLens `HookedRootModule` or an nnsight model.
+
+    A `Backend` passes through unchanged.
+    """
+    if _is_transformer_lens(model):
+        from .transformer_lens import TransformerLensBackend
+
+        return TransformerLensBackend(model)
+    if type(model).__module__.split(".")[0] == "nnsight":
+        module = importlib.import_module("tangentlens.hooks.nnsight")
+        return module.get_backend(model)
+    if isinstance(model, Backend):
+        return model
+    raise TypeError(
+        f"no tangentlens backend for {type(model).__name__}: pass a TransformerLens model "
+        "(TransformerBridge, HookedTransformer) or an nnsight model (NNsight, "
+        "LanguageModel); wrap a plain Hugging Face model with nnsight.NNsight(model)."
+    )
+
+
+def _is_transformer_lens(model: Any) -> bool:
+    """A TL 3.x `HookedRootModule` or a TL 4.x `TransformerBridge` (not a subclass of it)."""
+    from torch import nn
+
+    return (
+        isinstance(model, nn.Module)
+        and hasattr(model, "hook_dict")
+        and hasattr(model, "run_with_hooks")
+    )
