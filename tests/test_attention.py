@@ -1,0 +1,498 @@
+"""Attention-score decomposition: exactness on every architecture, planted truth,
+streaming statistics, and agreement of the Hugging Face and TransformerLens paths."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from functools import cache
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from tangentlens.probes.attention import (
+    STATISTICS,
+    TERMS,
+    AttentionAccumulator,
+    AttentionParams,
+    attention_input_hook,
+    decompose_parts,
+    decompose_scores,
+    hf_attention_module,
+    params_from_bridge,
+    params_from_hf,
+    score_terms,
+)
+from tangentlens.subspace import TangentBasis, complement
+
+HF_ARCHS = ("gpt2", "neox", "llama", "bert")
+ALL_ARCHS = (*HF_ARCHS, "native")
+D, LAYER, POS = 32, 1, 10
+TOL = 1e-5
+
+# ----------------------------------------------------------------------------- models
+# Tiny random models with O(1) scores (init std 0.2) and random biases and norm weights,
+# so that the bias term, the norms and the patterns are all exercised.
+
+
+def _tokenizer(folder: Path) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{f"w{i}": i for i in range(2, 64)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def _hf_config(arch: str) -> Any:
+    import transformers as tf
+
+    common = {"vocab_size": 64, "initializer_range": 0.2}
+    shape = {
+        "hidden_size": D,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 32,
+    }
+    if arch == "gpt2":
+        return tf.GPT2Config(n_embd=D, n_layer=2, n_head=4, n_positions=32, **common)
+    if arch == "neox":
+        return tf.GPTNeoXConfig(**shape, intermediate_size=64, rotary_pct=0.5, **common)
+    if arch == "llama":
+        return tf.LlamaConfig(**shape, num_key_value_heads=2, intermediate_size=64, **common)
+    return tf.BertConfig(**shape, intermediate_size=64, **common)
+
+
+_CLASSES = {
+    "gpt2": "GPT2LMHeadModel",
+    "neox": "GPTNeoXForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "bert": "BertForMaskedLM",
+}
+
+
+@torch.no_grad()
+def _randomize_affine(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+        elif p.ndim == 1 and ("ln" in name or "norm" in name.lower()):
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+
+
+@cache
+def _folder(arch: str) -> Path:
+    import transformers as tf
+
+    folder = Path(tempfile.mkdtemp(prefix=f"tl-attn-{arch}-"))
+    _tokenizer(folder)
+    torch.manual_seed(0)
+    model = getattr(tf, _CLASSES[arch])(_hf_config(arch))
+    _randomize_affine(model, seed=1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@cache
+def bridge(arch: str) -> Any:
+    from transformer_lens.model_bridge import TransformerBridge
+
+    if arch == "native":
+        from transformer_lens.config import TransformerBridgeConfig
+
+        cfg = TransformerBridgeConfig(
+            d_model=D,
+            d_head=8,
+            n_heads=4,
+            n_layers=2,
+            n_ctx=32,
+            d_vocab=64,
+            d_mlp=64,
+            act_fn="gelu",
+            positional_embedding_type="rotary",
+            rotary_dim=4,
+            n_key_value_heads=2,
+            normalization_type="LN",
+            seed=0,
+        )
+        model = TransformerBridge.boot_native(cfg)
+        with torch.no_grad():  # random attention biases; norms keep w=1, b=0 (planted test)
+            gen = torch.Generator().manual_seed(2)
+            for block in model.blocks:
+                for lin in (block.attn.q, block.attn.k):
+                    lin.bias.copy_(0.2 * torch.randn(lin.bias.shape, generator=gen))
+    else:
+        model = TransformerBridge.boot_transformers(str(_folder(arch)), device="cpu")
+    return model.eval()
+
+
+def hf_model(arch: str) -> Any:
+    import transformers as tf
+
+    cls = getattr(tf, _CLASSES[arch])
+    return cls.from_pretrained(_folder(arch), attn_implementation="eager").eval()
+
+
+def batch(arch: str, n: int = 3, seed: int = 0) -> tuple[Tensor, Tensor | None]:
+    """Token ids (n, POS); BERT also gets right padding on all but the first row."""
+    ids = torch.randint(2, 64, (n, POS), generator=torch.Generator().manual_seed(seed))
+    if arch != "bert":
+        return ids, None
+    mask = torch.ones_like(ids)
+    for row in range(1, n):
+        mask[row, POS - 2 * row :] = 0
+    return ids.masked_fill(mask == 0, 1), mask
+
+
+def random_basis(k: int, seed: int = 0) -> TangentBasis:
+    gen = torch.Generator().manual_seed(seed)
+    return TangentBasis(torch.linalg.qr(torch.randn(D, k, generator=gen, dtype=torch.float64)).Q)
+
+
+def capture(model: Any, tokens: Tensor, names: list[str], mask: Tensor | None) -> dict:
+    out: dict[str, Tensor] = {}
+
+    def saver(name: str) -> Any:
+        def hook(x: Tensor, hook: Any) -> None:  # hook.name is canonical, not the alias
+            out[name] = x.detach()
+
+        return hook
+
+    kwargs = {} if mask is None else {"attention_mask": mask}
+    with torch.no_grad(), model.hooks(fwd_hooks=[(n, saver(n)) for n in names]):
+        model(tokens, return_type=None, **kwargs)
+    return out
+
+
+def keep_mask(shape: torch.Size, causal: bool, mask: Tensor | None) -> Tensor:
+    """Entries the model lets through: (batch, 1, q, k) bool (keys only, as HF masks)."""
+    b, _, q, k = shape
+    keep = torch.ones(b, 1, q, k, dtype=torch.bool)
+    if causal:
+        keep &= torch.ones(q, k, dtype=torch.bool).tril()
+    if mask is not None:
+        keep &= mask.bool()[:, None, None, :]
+    return keep
+
+
+def reference_scores(x: Tensor, params: AttentionParams, *, bias: bool = True) -> Tensor:
+    """Scores written out plainly from x: R(x W_Q + b_Q) · R(x W_K + b_K) · scale."""
+    x = x.double()
+    q = torch.einsum("bpd,hde->bhpe", x, params.W_Q.double())
+    k = torch.einsum("bpd,hde->bhpe", x, params.W_K.double())
+    if bias and params.b_Q is not None:
+        q = q + params.b_Q.double()[None, :, None, :]
+    if bias and params.b_K is not None:
+        k = k + params.b_K.double()[None, :, None, :]
+    return qk_scores(q, k, params)
+
+
+def qk_scores(q: Tensor, k: Tensor, params: AttentionParams) -> Tensor:
+    """(b, h, p, e) q and kv-head k -> rotary, GQA repeat, scaled dot."""
+    if params.rotary is not None:
+        q, k = params.rotary(q, k, torch.arange(q.shape[2])[None].expand(q.shape[0], -1))
+    k = k.repeat_interleave(params.n_heads // params.n_kv_heads, dim=1)
+    return torch.einsum("bhqe,bhke->bhqk", q, k) * params.scale
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    """max |a − b| / max |b| (or max |a − b| when b is all zeros)."""
+    diff = float((a.double() - b.double()).abs().max())
+    return diff / max(float(b.double().abs().max()), 1e-300) if diff else 0.0
+
+
+MEASURED: dict[str, dict[str, float]] = {}
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_terms_sum_to_model_scores(arch: str) -> None:
+    model = bridge(arch)
+    tokens, mask = batch(arch)
+    terms = score_terms(model, tokens, LAYER, random_basis(8), attention_mask=mask)
+    assert set(terms) == set(TERMS)
+    assert all(t.shape == (3, 4, POS, POS) and t.dtype == torch.float64 for t in terms.values())
+    total = sum(terms.values())
+    params = params_from_bridge(model, LAYER)
+    assert params.causal == (arch != "bert")
+    if arch == "llama":  # no q/k biases: the bias term is exactly zero
+        assert not terms["bias"].any()
+    else:  # random biases make it non-trivial
+        assert float(terms["bias"].abs().max()) > 1e-2
+
+    a = f"blocks.{LAYER}.attn."
+    names = [a + h for h in ("hook_q", "hook_k", "hook_attn_scores", "hook_pattern", "hook_in")]
+    names.append(f"blocks.{LAYER}.ln1.hook_out")
+    got = capture(model, tokens, names, mask)
+    errors: dict[str, float] = {}
+
+    # 1. the model's own projections (hook_q/hook_k, before rotary) give the same scores
+    q = got[a + "hook_q"].permute(0, 2, 1, 3).double()
+    k = got[a + "hook_k"].permute(0, 2, 1, 3).double()
+    errors["hook_qk"] = rel_err(total, qk_scores(q, k, params))
+    assert errors["hook_qk"] < TOL
+
+    keep = keep_mask(total.shape, params.causal, mask)
+    # 2. hook_attn_scores holds pre-softmax (post-mask) scores on the HF decoder bridges
+    if arch in ("gpt2", "neox", "llama"):
+        kept = keep.expand_as(total)
+        hs = got[a + "hook_attn_scores"].double()
+        errors["hook_attn_scores"] = rel_err(total[kept], hs[kept])
+        assert errors["hook_attn_scores"] < TOL
+
+    # 3. softmax(sum + mask) is the model's pattern, everywhere
+    pattern = torch.softmax(total.masked_fill(~keep, float("-inf")), -1)
+    errors["pattern_abs"] = float((pattern - got[a + "hook_pattern"].double()).abs().max())
+    assert errors["pattern_abs"] < TOL
+    assert float(got[a + "hook_pattern"].amax()) > 0.5  # patterns are far from uniform
+
+    # the decomposed input is the exact input to W_Q/W_K
+    site = attention_input_hook(model, LAYER)
+    if arch == "bert":  # post-LN: ln1 follows attention
+        assert site == a + "hook_in"
+    else:
+        assert site == f"blocks.{LAYER}.ln1.hook_out"
+        torch.testing.assert_close(got[site], got[a + "hook_in"], rtol=0, atol=0)
+    MEASURED[arch] = errors
+    print(f"{arch}: {errors}")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_rank_d_minus_one_basis(arch: str) -> None:
+    """Q = d−1 columns of an orthogonal matrix: everything but the u-direction is
+    tangent; NN is the rank-1 term of u alone, computed independently."""
+    model = bridge(arch)
+    tokens, mask = batch(arch)
+    gen = torch.Generator().manual_seed(3)
+    full = torch.linalg.qr(torch.randn(D, D, generator=gen, dtype=torch.float64)).Q
+    basis, u = TangentBasis(full[:, :-1]), full[:, -1]
+    terms = score_terms(model, tokens, LAYER, basis, attention_mask=mask)
+    params = params_from_bridge(model, LAYER)
+    x = capture(model, tokens, [attention_input_hook(model, LAYER)], mask).popitem()[1].double()
+
+    unbiased = terms["TT"] + terms["TN"] + terms["NT"] + terms["NN"]
+    assert rel_err(unbiased, reference_scores(x, params, bias=False)) < TOL
+    assert rel_err(unbiased + terms["bias"], reference_scores(x, params)) < TOL
+
+    c = x @ u  # (b, p): coordinate on the one normal direction
+    q_u = c[:, None, :, None] * (u @ params.W_Q.double())[None, :, None, :]
+    k_u = c[:, None, :, None] * (u @ params.W_K.double())[None, :, None, :]
+    # (TangentBasis.split rounds x_T to x's float32 precision so x_T + x_N == x exactly;
+    # hence agreement to float32 relative precision, not float64)
+    assert rel_err(terms["NN"], qk_scores(q_u, k_u, params)) < TOL
+    x_t = x - c[..., None] * u
+    assert rel_err(terms["TT"], reference_scores(x_t, params, bias=False)) < TOL
+
+
+def test_planted_span_gives_pure_tangent_scores() -> None:
+    """Inputs inside span(Q): TN = NT = NN = 0 and TT + bias is the whole score."""
+    params = params_from_bridge(bridge("llama"), LAYER)  # rotary + GQA
+    gen = torch.Generator().manual_seed(4)
+    q = torch.linalg.qr(torch.randn(D, 8, generator=gen, dtype=torch.float64)).Q
+    x = torch.randn(2, POS, 5, generator=gen, dtype=torch.float64) @ q[:, :5].T
+    terms = decompose_scores(x, TangentBasis(q), params)
+    for t in ("TN", "NT", "NN"):
+        assert float(terms[t].abs().max()) < 1e-12
+    torch.testing.assert_close(terms["TT"] + terms["bias"], reference_scores(x, params))
+    acc = AttentionAccumulator().update(terms)
+    res = acc.results()
+    torch.testing.assert_close(
+        res["score_share_TT"] + res["score_share_bias"], torch.ones(4).double()
+    )
+    assert float(res["pattern_kl_TT"].abs().max()) < 1e-12
+
+
+def test_planted_span_on_model() -> None:
+    """LayerNorm with w = 1, b = 0 outputs vectors orthogonal to 1: the complement of
+    1/√d contains every attention input, so TN, NT, NN vanish (up to float32)."""
+    model = bridge("native")
+    ln = model.blocks[LAYER].ln1.original_component
+    assert torch.equal(ln.weight, torch.ones(D)) and torch.equal(ln.bias, torch.zeros(D))
+    ones = TangentBasis(torch.ones(D, 1, dtype=torch.float64) / D**0.5)
+    basis = TangentBasis(complement(ones))
+    tokens, _ = batch("native")
+    terms = score_terms(model, tokens, LAYER, basis)
+    scale = float(terms["TT"].abs().max())
+    for t in ("TN", "NT", "NN"):
+        assert float(terms[t].abs().max()) < 1e-5 * scale
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "neox", "llama", "native"])
+def test_resid_pre_site_with_frozen_norm_scale(arch: str) -> None:
+    """A basis of hook_resid_pre through the norm frozen at its scale: still exact."""
+    model = bridge(arch)
+    tokens, mask = batch(arch)
+    basis = random_basis(8, seed=5)
+    at_input = score_terms(model, tokens, LAYER, basis, attention_mask=mask)
+    at_resid = score_terms(model, tokens, LAYER, basis, attention_mask=mask, site="resid_pre")
+    assert rel_err(sum(at_resid.values()), sum(at_input.values())) < TOL
+    # a basis holding all of resid_pre leaves only TT + bias (bias now has the norm's b)
+    everything = score_terms(
+        model,
+        tokens,
+        LAYER,
+        TangentBasis(torch.eye(D, dtype=torch.float64)[:, :-1]),
+        site="resid_pre",
+    )
+    assert float(everything["NN"].abs().max()) < float(everything["TT"].abs().max())
+
+
+def test_resid_pre_rejects_post_norm() -> None:
+    with pytest.raises(ValueError, match="post-norm"):
+        score_terms(bridge("bert"), batch("bert")[0], LAYER, random_basis(4), site="resid_pre")
+
+
+# ----------------------------------------------------------------------------- HF path
+@pytest.mark.parametrize("arch", HF_ARCHS)
+def test_hf_module_path_matches_bridge(arch: str) -> None:
+    model, hf = bridge(arch), hf_model(arch)
+    tl_params = params_from_bridge(model, LAYER)
+    module, rotary_emb = hf_attention_module(hf, LAYER)
+    hf_params = params_from_hf(module, rotary_emb=rotary_emb)
+    for name in ("W_Q", "W_K", "b_Q", "b_K"):
+        a, b = getattr(tl_params, name), getattr(hf_params, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert hf_params.scale == tl_params.scale and hf_params.causal == tl_params.causal
+    assert (hf_params.rotary is None) == (arch in ("gpt2", "bert"))
+
+    # end to end on the plain HF model: capture the module's input, compare patterns
+    tokens, mask = batch(arch)
+    seen: dict[str, Tensor] = {}
+
+    def pre_hook(mod: Any, args: tuple, kwargs: dict) -> None:
+        seen["x"] = (args[0] if args else kwargs["hidden_states"]).detach()
+
+    handle = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            out = hf(tokens, attention_mask=mask, output_attentions=True)
+    finally:
+        handle.remove()
+    basis = random_basis(8)
+    terms = decompose_scores(seen["x"], basis, hf_params)
+    total = sum(terms.values())
+    keep = keep_mask(total.shape, hf_params.causal, mask)
+    pattern = torch.softmax(total.masked_fill(~keep, float("-inf")), -1)
+    assert float((pattern - out.attentions[LAYER].double()).abs().max()) < TOL
+    tl_terms = score_terms(model, tokens, LAYER, basis, attention_mask=mask)
+    for t in TERMS:
+        assert rel_err(terms[t], tl_terms[t]) < TOL, t
+
+
+def test_params_from_hf_needs_rotary_emb() -> None:
+    module, _ = hf_attention_module(hf_model("llama"), 0)
+    with pytest.raises(ValueError, match="rotary_emb"):
+        params_from_hf(module)
+    with pytest.raises(ValueError, match="unsupported attention module"):
+        params_from_hf(torch.nn.Linear(2, 2))
+
+
+# ----------------------------------------------------------------------------- statistics
+def _terms(arch: str, n: int = 4) -> tuple[dict[str, Tensor], Tensor | None, bool]:
+    model = bridge(arch)
+    tokens, mask = batch(arch, n=n, seed=7)
+    terms = score_terms(model, tokens, LAYER, random_basis(8), attention_mask=mask)
+    return terms, mask, params_from_bridge(model, LAYER).causal
+
+
+def _sliced(terms: dict[str, Tensor], rows: slice) -> dict[str, Tensor]:
+    return {t: v[rows] for t, v in terms.items()}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_accumulator_split_invariance_and_merge(arch: str) -> None:
+    terms, mask, causal = _terms(arch)
+    one = AttentionAccumulator().update(terms, mask, causal=causal).results()
+    assert set(one) == set(STATISTICS) and all(v.shape == (4,) for v in one.values())
+    shares = sum(one[f"score_share_{t}"] for t in TERMS)
+    torch.testing.assert_close(shares, torch.ones(4, dtype=torch.float64))
+    assert bool((one["pattern_kl_TT"] > 0).all())
+
+    def m(rows: slice) -> Tensor | None:
+        return None if mask is None else mask[rows]
+
+    for cuts in ([0, 1, 2, 3, 4], [0, 3, 4], [0, 2, 4]):
+        parts = [slice(a, b) for a, b in pairwise(cuts)]
+        streamed = AttentionAccumulator()
+        for p in parts:
+            streamed.update(_sliced(terms, p), m(p), causal=causal)
+        merged = AttentionAccumulator()
+        for p in parts:
+            shard = AttentionAccumulator().update(_sliced(terms, p), m(p), causal=causal)
+            merged.merge(AttentionAccumulator().load_state_dict(shard.state_dict()))
+        for res in (streamed.results(), merged.results()):
+            for s in STATISTICS:
+                torch.testing.assert_close(res[s], one[s], rtol=1e-12, atol=1e-14)
+
+
+def test_accumulator_independent_of_model_batching() -> None:
+    model = bridge("bert")
+    tokens, mask = batch("bert", n=4, seed=7)
+    basis = random_basis(8)
+    whole = AttentionAccumulator().update(
+        score_terms(model, tokens, LAYER, basis, attention_mask=mask), mask, causal=False
+    )
+    halves = AttentionAccumulator()
+    for rows in (slice(0, 1), slice(1, 4)):
+        terms = score_terms(model, tokens[rows], LAYER, basis, attention_mask=mask[rows])
+        halves.update(terms, mask[rows], causal=False)
+    assert whole.rows == halves.rows and whole.entries == halves.entries
+    for s, v in whole.results().items():
+        torch.testing.assert_close(halves.results()[s], v, rtol=1e-6, atol=1e-9)
+
+
+def test_accumulator_matches_brute_force_on_model_pattern() -> None:
+    """Shares by boolean indexing; KL against the model's own hook_pattern (BERT, padded)."""
+    model = bridge("bert")
+    tokens, mask = batch("bert", n=4, seed=7)
+    terms = score_terms(model, tokens, LAYER, random_basis(8), attention_mask=mask)
+    res = AttentionAccumulator().update(terms, mask, causal=False).results()
+    real = capture(model, tokens, [f"blocks.{LAYER}.attn.hook_pattern"], mask).popitem()[1]
+    valid = mask.bool()
+    for h in range(4):
+        energy = {
+            t: sum(float(terms[t][b, h][valid[b]][:, valid[b]].pow(2).sum()) for b in range(4))
+            for t in TERMS
+        }
+        total = sum(energy.values())
+        for t in TERMS:
+            assert abs(float(res[f"score_share_{t}"][h]) - energy[t] / total) < 1e-12
+        kls = []
+        for b in range(4):
+            n = int(valid[b].sum())
+            p = real[b, h, :n, :n].double()
+            log_q = torch.log_softmax((terms["TT"] + terms["bias"])[b, h, :n, :n], -1)
+            kls.append((p * (p.log() - log_q)).sum(-1))
+        assert abs(float(torch.cat(kls).mean()) - float(res["pattern_kl_TT"][h])) < 1e-6
+
+
+def test_accumulator_errors() -> None:
+    acc = AttentionAccumulator()
+    with pytest.raises(ValueError, match="update"):
+        acc.results()
+    with pytest.raises(ValueError, match="lacks"):
+        acc.update({"TT": torch.zeros(1, 1, 2, 2)})
+    terms = {t: torch.zeros(1, 2, 3, 3) for t in TERMS}
+    with pytest.raises(ValueError, match="attention_mask"):
+        acc.update(terms, torch.ones(1, 2))
+    acc.update(terms)
+    with pytest.raises(ValueError, match="heads"):
+        acc.update({t: torch.zeros(1, 3, 3, 3) for t in TERMS})
+
+
+def test_core_validates_inputs() -> None:
+    params = params_from_bridge(bridge("gpt2"), 0)
+    with pytest.raises(ValueError, match="basis"):
+        decompose_parts(torch.zeros(1, 3, 16), torch.zeros(1, 3, 16), params)
+    with pytest.raises(ValueError, match="W_K"):
+        replace(params, W_K=params.W_K[:3])
