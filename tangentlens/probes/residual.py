@@ -1,0 +1,118 @@
+"""Residual probe: how much of the residual stream, and of each block's write into it,
+lies in the tangent subspace.
+
+Per residual site with a basis Q_T (d × k):
+
+- ``tangent_share`` = E‖x Q_T‖² / E‖x‖² (uncentred energy share over tokens),
+- ``chance_share`` = k / d (the share of an isotropic vector),
+- ``share_ratio`` = tangent_share / chance_share, ``mean_sq_norm`` = E‖x‖², ``n_tokens``.
+
+A block's write (``attn_out``, ``mlp_out``) is measured in the basis of the residual
+stream it writes into: the nearest residual site downstream that has a basis,
+``resid_mid`` then ``resid_post`` of the same layer (a parallel block's attention
+writes straight into ``resid_post``), then the next layer's ``resid_pre`` (the same
+tensor as ``resid_post``). A write with a large ``share_ratio`` pushes the stream
+further into Q_T: that is where the bias amplifies.
+
+State is float64 sums and a count per site, so batch splits and merges give the same
+numbers as one pass; no activation is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site
+from ..subspace import TangentBasis
+
+__all__ = ["ResidualProbe", "energy_sums", "write_basis_site"]
+
+STATISTICS = ("tangent_share", "chance_share", "share_ratio", "mean_sq_norm", "n_tokens")
+
+
+@torch.no_grad()
+def energy_sums(x: Tensor, basis: TangentBasis, mask: Tensor | None = None) -> Tensor:
+    """``[Σ‖x‖², Σ‖x Q_T‖², n]`` over the rows of ``x (..., d)`` kept by ``mask``, float64."""
+    if mask is not None:
+        x = x[mask.to(x.device).bool()]
+    rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+    coords = basis.coordinates(rows)
+    return torch.stack(
+        [
+            rows.pow(2).sum(),
+            coords.pow(2).sum(),
+            torch.tensor(float(rows.shape[0]), dtype=torch.float64, device=rows.device),
+        ]
+    ).cpu()
+
+
+def write_basis_site(write: Site, bases: Mapping[Site, object], n_layers: int) -> Site | None:
+    """The residual site whose basis measures ``write`` (see the module docstring)."""
+    if write.kind not in WRITE_KINDS:
+        raise ValueError(f"write must be an attn_out or mlp_out site; got {write}.")
+    candidates = [Site(write.layer, "resid_post")]
+    if write.kind == "attn_out":
+        candidates.insert(0, Site(write.layer, "resid_mid"))
+    if write.layer + 1 < n_layers:
+        candidates.append(Site(write.layer + 1, "resid_pre"))
+    return next((c for c in candidates if c in bases), None)
+
+
+class ResidualProbe:
+    """Accumulates `energy_sums` per site. ``bases`` maps each measured site (residual
+    sites and writes) to the basis it is measured in."""
+
+    name = "residual"
+
+    def __init__(self, bases: Mapping[Site, TangentBasis]) -> None:
+        for site in bases:
+            if site.kind not in (*RESIDUAL_KINDS, *WRITE_KINDS):
+                raise ValueError(
+                    f"the residual probe measures residual sites and writes; got {site}."
+                )
+        self.bases = dict(bases)
+        self._sums: dict[Site, Tensor] = {s: torch.zeros(3, dtype=torch.float64) for s in bases}
+
+    @property
+    def sites(self) -> list[Site]:
+        return list(self.bases)
+
+    def update(self, site: Site, x: Tensor, mask: Tensor | None = None) -> None:
+        self._sums[site] += energy_sums(x, self.bases[site], mask)
+
+    def merge(self, other: ResidualProbe) -> ResidualProbe:
+        for site, sums in other._sums.items():
+            self._sums[site] = self._sums.get(site, torch.zeros(3, dtype=torch.float64)) + sums
+        return self
+
+    def rows(self) -> list[dict]:
+        out = []
+        for site, (total, tangent, n) in self._sums.items():
+            if n == 0:
+                continue
+            basis = self.bases[site]
+            share = float(tangent / total) if total > 0 else float("nan")
+            chance = basis.k / basis.d
+            values = {
+                "tangent_share": share,
+                "chance_share": chance,
+                "share_ratio": share / chance,
+                "mean_sq_norm": float(total / n),
+                "n_tokens": float(n),
+            }
+            out += [_row(self.name, site, stat, v) for stat, v in values.items()]
+        return out
+
+
+def _row(probe: str, site: Site, statistic: str, value: float) -> dict:
+    return {
+        "probe": probe,
+        "site": site.kind,
+        "layer": site.layer,
+        "head": site.head,
+        "statistic": statistic,
+        "value": value,
+    }
