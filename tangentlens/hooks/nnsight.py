@@ -1,0 +1,470 @@
+"""nnsight backend: the same sites as the TransformerLens backend on nnsight models.
+
+Works on ``nnsight.NNsight(hf_model)``, ``nnsight.TransformersModel`` and the deprecated
+``nnsight.LanguageModel`` wrapping Hugging Face GPT-2, GPT-NeoX, Llama-family and BERT
+models. Two ways in:
+
+* **Hooks** (:class:`NNsightBackend`, used by ``tangentlens.probe`` / ``probes.run``):
+  plain torch hooks on the wrapped HF modules. They fire the same inside and outside
+  an nnsight trace, need no execution order, and each handle removes exactly its own
+  hooks (the module hook and every tensor hook it registered). Gradients come from
+  tensor hooks registered in the forward pass, so any backward works, including one a
+  user runs inside ``with loss.backward():`` in a trace.
+* **Remote-ready statistics** (:func:`trace_moments` / :func:`moments_from_saved`): called
+  inside ``with model.trace(...)``, reads the sites through nnsight envoys in forward
+  order and ``.save()``\\ s only each site's count, mean and centred scatter (float64,
+  the ``Moments`` state). A ``remote=True`` (NDIF) run therefore transmits O(d²) per
+  site, never activations; merge batches on the client with ``Moments.merge``.
+
+Site → HF module (``in`` = the module's first input, ``out`` = its first output), matching
+TransformerLens 4.x bridges of the same weights:
+
+==========  ===========  =========================  ====================  ===================
+site        GPT-2 h[l]   GPT-NeoX layers[l]         Llama layers[l]       BERT layer[l]
+==========  ===========  =========================  ====================  ===================
+embed       wte out      embed_in out               embed_tokens out      embeddings out
+resid_pre   block in     block in                   block in              block in
+attn_in     ln_1 out     input_layernorm out        input_layernorm out   attention in
+attn_out    attn out     attention out              self_attn out         attention out
+resid_mid   ln_2 in      (none: parallel residual)  post_attention_ln in  output.LayerNorm in
+mlp_out     mlp out      mlp out                    mlp out               output.dense out
+resid_post  block out    block out                  block out             block out
+==========  ===========  =========================  ====================  ===================
+
+BERT is post-norm: its attention input is the block input, ``attn_out`` is the attention
+block's (normalised) output and ``resid_mid`` the sum entering the second LayerNorm,
+exactly as on the TransformerLens BERT bridge.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .base import TensorFn
+from .sites import KINDS, Site
+
+__all__ = [
+    "NNsightBackend",
+    "get_backend",
+    "hook_counts",
+    "is_nnsight_model",
+    "moments_from_saved",
+    "trace_moments",
+]
+
+# (module path relative to the block, "in" | "out") per site kind, per block layout.
+_Where = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    name: str
+    layers: str  # path from the base model to the ModuleList of blocks
+    embed: _Where  # path from the base model
+    block: Mapping[str, _Where]
+    order: tuple[str, ...]  # block kinds in forward execution order
+    causal: bool = True
+
+
+_PRE_NORM_ORDER = ("resid_pre", "attn_in", "attn_out", "resid_mid", "mlp_out", "resid_post")
+
+_GPT2 = _Layout(
+    "gpt2",
+    "h",
+    ("wte", "out"),
+    {
+        "resid_pre": ("", "in"),
+        "attn_in": ("ln_1", "out"),
+        "attn_out": ("attn", "out"),
+        "resid_mid": ("ln_2", "in"),
+        "mlp_out": ("mlp", "out"),
+        "resid_post": ("", "out"),
+    },
+    _PRE_NORM_ORDER,
+)
+_NEOX_BLOCK = {
+    "resid_pre": ("", "in"),
+    "attn_in": ("input_layernorm", "out"),
+    "attn_out": ("attention", "out"),
+    "resid_mid": ("post_attention_layernorm", "in"),
+    "mlp_out": ("mlp", "out"),
+    "resid_post": ("", "out"),
+}
+_NEOX = _Layout("gpt_neox", "layers", ("embed_in", "out"), _NEOX_BLOCK, _PRE_NORM_ORDER)
+_NEOX_PARALLEL = _Layout(
+    "gpt_neox (parallel residual)",
+    "layers",
+    ("embed_in", "out"),
+    {k: v for k, v in _NEOX_BLOCK.items() if k != "resid_mid"},
+    tuple(k for k in _PRE_NORM_ORDER if k != "resid_mid"),
+)
+_LLAMA = _Layout(
+    "llama",
+    "layers",
+    ("embed_tokens", "out"),
+    {
+        "resid_pre": ("", "in"),
+        "attn_in": ("input_layernorm", "out"),
+        "attn_out": ("self_attn", "out"),
+        "resid_mid": ("post_attention_layernorm", "in"),
+        "mlp_out": ("mlp", "out"),
+        "resid_post": ("", "out"),
+    },
+    _PRE_NORM_ORDER,
+)
+_BERT_BLOCK = {
+    "resid_pre": ("", "in"),
+    "attn_in": ("attention", "in"),
+    "attn_out": ("attention", "out"),
+    "mlp_out": ("output.dense", "out"),
+    "resid_mid": ("output.LayerNorm", "in"),
+    "resid_post": ("", "out"),
+}
+_BERT_ORDER = ("resid_pre", "attn_in", "attn_out", "mlp_out", "resid_mid", "resid_post")
+
+
+def _get(module: nn.Module, path: str) -> nn.Module:
+    return module.get_submodule(path) if path else module
+
+
+def _layout(hf: nn.Module) -> tuple[_Layout, nn.Module]:
+    """The block layout of a Hugging Face model and its base model (the layer stack)."""
+    base = getattr(hf, "base_model", hf)
+    config = getattr(hf, "config", None)
+    model_type = getattr(config, "model_type", "")
+    if model_type == "gpt2" or (hasattr(base, "wte") and hasattr(base, "h")):
+        return _GPT2, base
+    if model_type == "gpt_neox" or hasattr(base, "embed_in"):
+        parallel = bool(getattr(config, "use_parallel_residual", True))
+        return (_NEOX_PARALLEL if parallel else _NEOX), base
+    encoder = getattr(base, "encoder", None)
+    if model_type == "bert" or (
+        hasattr(base, "embeddings") and isinstance(getattr(encoder, "layer", None), nn.ModuleList)
+    ):
+        causal = bool(getattr(config, "is_decoder", False))
+        layout = _Layout(
+            "bert", "encoder.layer", ("embeddings", "out"), _BERT_BLOCK, _BERT_ORDER, causal
+        )
+        return layout, base
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) and hasattr(base, "embed_tokens"):
+        block = layers[0]
+        parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        extra = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        if all(hasattr(block, p) for p in parts) and not any(hasattr(block, p) for p in extra):
+            return _LLAMA, base
+    raise TypeError(
+        f"the nnsight backend does not know the layout of {type(hf).__name__} "
+        f"(model_type {model_type!r}): supported are GPT-2, GPT-NeoX, Llama-style "
+        "(input_layernorm/self_attn/post_attention_layernorm/mlp) and BERT encoders. "
+        "Load it as a TransformerLens bridge instead (tangentlens.models.load(...))."
+    )
+
+
+def is_nnsight_model(model: Any) -> bool:
+    """Whether ``model`` is an nnsight envoy (``NNsight``, ``TransformersModel``, ...)."""
+    return type(model).__module__.split(".")[0] == "nnsight" and isinstance(
+        getattr(model, "_module", None), nn.Module
+    )
+
+
+def _unwrap(model: Any) -> nn.Module:
+    if is_nnsight_model(model):
+        return model._module
+    if isinstance(model, nn.Module):
+        return model
+    raise TypeError(
+        f"expected an nnsight model (NNsight, TransformersModel, LanguageModel) or a Hugging "
+        f"Face module; got {type(model).__name__}."
+    )
+
+
+def _first(value: Any, where: str) -> Tensor:
+    """The activation in a module output or input: the tensor itself or the first element."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
+        return value[0]
+    raise TypeError(f"expected a tensor (or a tuple starting with one) at {where}; got {value!r}.")
+
+
+def _replacement(new: Any, label: str) -> Tensor | None:
+    if new is None or isinstance(new, Tensor):
+        return new
+    raise TypeError(
+        f"a forward hook at {label} returned a {type(new).__name__}; return None to observe "
+        "or a tensor to replace the activation."
+    )
+
+
+class _Handle:
+    """Removes one module hook and every tensor hook it registered, and nothing else."""
+
+    def __init__(self, module_handle: Any) -> None:
+        self._module_handle: Any = module_handle
+        self._tensor_handles: list[Any] = []
+
+    def remove(self) -> None:
+        for handle in self._tensor_handles:
+            handle.remove()
+        self._tensor_handles.clear()
+        if self._module_handle is not None:
+            self._module_handle.remove()
+            self._module_handle = None
+
+
+def hook_counts(model: Any) -> dict[str, tuple[int, int, int]]:
+    """Per HF module: (forward hooks, forward pre-hooks, backward hooks).
+
+    Hook hygiene means this is identical before and after any probe.
+    """
+    return {
+        name: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+        for name, m in _unwrap(model).named_modules()
+    }
+
+
+class NNsightBackend:
+    """`Backend` for an nnsight model wrapping a Hugging Face transformer.
+
+    See `tangentlens.hooks.base.Backend` for the protocol and the module docstring for
+    the site mapping. ``model`` is the nnsight envoy; ``module`` the wrapped HF model.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.module = _unwrap(model)
+        self.layout, self.base = _layout(self.module)
+        self.blocks: nn.ModuleList = _get(self.base, self.layout.layers)  # type: ignore[assignment]
+        config = self.module.config
+        self._d_model = int(getattr(config, "hidden_size", None) or config.n_embd)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def n_layers(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def d_model(self) -> int:
+        return self._d_model
+
+    @property
+    def causal(self) -> bool:
+        return self.layout.causal
+
+    def sites(self) -> list[Site]:
+        """``embed`` then, per layer, the block sites in forward execution order."""
+        block_kinds = [k for k in KINDS if k in self.layout.block]
+        return [Site(0, "embed")] + [
+            Site(layer, kind) for layer in range(self.n_layers) for kind in block_kinds
+        ]
+
+    def locate(self, site: Site) -> tuple[nn.Module, str]:
+        """``(module, "in" | "out")``: where ``site``'s activation is read."""
+        site = site.without_head()
+        if site.kind == "embed":
+            path, where = self.layout.embed
+            return _get(self.base, path), where
+        if site.kind not in self.layout.block or not 0 <= site.layer < self.n_layers:
+            extra = ""
+            if site.kind == "resid_mid":
+                extra = " (parallel attention and MLP: no resid_mid; use resid_pre or resid_post)"
+            raise ValueError(
+                f"site {site} does not exist on this {type(self.module).__name__}{extra}; it has "
+                f"layers 0..{self.n_layers - 1} with {sorted(self.layout.block)} and embed."
+            )
+        path, where = self.layout.block[site.kind]
+        return _get(self.blocks[site.layer], path), where
+
+    # ------------------------------------------------------------------ hooks
+    def add_forward_hook(self, site: Site, fn: TensorFn) -> _Handle:
+        """``fn(activation)``; a returned tensor replaces the activation."""
+        return self._hook(site, fn, prepend=False)
+
+    def add_backward_hook(self, site: Site, fn: TensorFn) -> _Handle:
+        """``fn(gradient)`` for the site's activation, from a tensor hook registered as the
+        forward pass produces it (only when it requires grad)."""
+        handle: _Handle
+
+        def register(x: Tensor) -> None:
+            if x.requires_grad:
+
+                def observe(grad: Tensor) -> None:
+                    fn(grad)
+
+                handle._tensor_handles.append(x.register_hook(observe))
+
+        handle = self._hook(site, register, prepend=False)
+        return handle
+
+    def _hook(self, site: Site, fn: TensorFn, *, prepend: bool) -> _Handle:
+        module, where = self.locate(site)
+        label = f"{type(module).__name__} ({site})"
+        if where == "out":
+
+            def forward_hook(mod: nn.Module, args: tuple, output: Any) -> Any:
+                new = _replacement(fn(_first(output, label)), label)
+                if new is None:
+                    return None
+                if isinstance(output, Tensor):
+                    return new
+                return type(output)((new, *output[1:]))
+
+            return _Handle(module.register_forward_hook(forward_hook, prepend=prepend))
+
+        def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if args:
+                new = _replacement(fn(_first(args, label)), label)
+                return None if new is None else ((new, *args[1:]), kwargs)
+            if "hidden_states" not in kwargs:
+                raise TypeError(f"{label} was called without hidden_states.")
+            new = _replacement(fn(kwargs["hidden_states"]), label)
+            return None if new is None else (args, {**kwargs, "hidden_states": new})
+
+        return _Handle(
+            module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=prepend)
+        )
+
+    def watch_inputs(self, fn: Callable[[Tensor | None], None]) -> _Handle:
+        """``fn(attention_mask or None)`` at the start of every forward of the HF model."""
+        signature = inspect.signature(self.module.forward)
+
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            try:
+                mask = signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
+            except TypeError:
+                mask = kwargs.get("attention_mask")
+            fn(mask if isinstance(mask, Tensor) and mask.ndim == 2 else None)
+
+        return _Handle(self.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+
+    def require_input_grad(
+        self, fn: Callable[[Tensor], None] | None = None, *, force: bool = False
+    ) -> _Handle:
+        """Replace the embed-site output by a leaf that requires grad when grad mode is on
+        and it does not already (``force``: always), so backward hooks fire on frozen
+        models. Runs before any other hook on that module."""
+
+        def make_leaf(x: Tensor) -> Tensor | None:
+            if not torch.is_grad_enabled() or (x.requires_grad and not force):
+                return None
+            leaf = x.detach().requires_grad_(True)
+            if fn is not None:
+                fn(leaf)
+            return leaf
+
+        return self._hook(Site(0, "embed"), make_leaf, prepend=True)
+
+    # -------------------------------------------------------------- attention
+    def attention_params(self, layer: int) -> Any:
+        """`tangentlens.probes.attention.AttentionParams` of ``layer``, from the HF attention
+        module (its weights, ``scaling`` and the model's own rotary). Its input is the
+        ``attn_in`` site."""
+        from ..probes.attention import hf_attention_module, params_from_hf
+
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer must be in 0..{self.n_layers - 1}; got {layer}.")
+        attn, rotary_emb = hf_attention_module(self.module, layer)
+        params = params_from_hf(attn, rotary_emb=rotary_emb)
+        return replace(params, causal=self.causal) if params.causal != self.causal else params
+
+
+def get_backend(model: Any) -> NNsightBackend:
+    """The backend for an nnsight model (dispatched to from `tangentlens.hooks.get_backend`)."""
+    return NNsightBackend(model)
+
+
+# ---------------------------------------------------------------- remote-ready statistics
+def _envoy_at(root: Any, path: str) -> Any:
+    """The envoy of the module at ``path`` below ``root``: nnsight moves a submodule named
+    like one of its own attributes (BERT's ``output``) to ``E_<name>``."""
+    from nnsight import Envoy
+
+    envoy = root
+    for part in filter(None, path.split(".")):
+        if inspect.isdatadescriptor(getattr(Envoy, part, None)):
+            part = f"{Envoy.OVERLOAD_PREFIX}{part}"
+        envoy = getattr(envoy, part)
+    return envoy
+
+
+def _base_path(model: Any, base: nn.Module) -> str:
+    for name, module in model._module.named_modules():
+        if module is base:
+            return name
+    raise ValueError("the base model is not part of the wrapped module.")
+
+
+def _reduce(x: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
+    """count, mean and centred scatter (float64) of the rows of ``x`` where ``mask``."""
+    rows = x.detach().reshape(-1, x.shape[-1])
+    if mask is not None:
+        rows = rows[mask.reshape(-1).to(rows.device).bool()]
+    rows = rows.double()
+    count = torch.tensor(rows.shape[0], dtype=torch.int64)
+    if rows.shape[0] == 0:
+        zeros = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
+        return {"count": count, "mean": zeros, "scatter": torch.outer(zeros, zeros)}
+    mean = rows.mean(0)
+    centred = rows - mean
+    return {"count": count, "mean": mean, "scatter": centred.T @ centred}
+
+
+def _execution_order(backend: NNsightBackend, sites: Iterable[Site]) -> list[Site]:
+    wanted = {s.without_head() for s in sites}
+    ordered = [Site(0, "embed")] + [
+        Site(layer, kind) for layer in range(backend.n_layers) for kind in backend.layout.order
+    ]
+    missing = wanted - set(ordered)
+    if missing:
+        backend.locate(sorted(missing)[0])  # raises with the list of valid sites
+    return [s for s in ordered if s in wanted]
+
+
+def trace_moments(
+    model: Any, sites: Sequence[Site | str], mask: Tensor | None = None
+) -> dict[str, dict[str, Tensor]]:
+    """Inside ``with model.trace(...)``: each site's sufficient statistics, ``.save()``\\ d.
+
+    Reads the sites through nnsight envoys in forward order (any order may be passed)
+    and reduces each activation at once to ``count``, ``mean`` and centred ``scatter``
+    (float64; equivalently count, sum and Gram). Only that dict of plain tensors, keyed
+    by canonical hook name, is saved, so a ``remote=True`` run transmits O(d²) per site
+    and never an activation. ``mask`` ``(batch, pos)`` (e.g. the attention mask) drops
+    padding. After the block, :func:`moments_from_saved` gives `Moments` per `Site`::
+
+        with lm.trace(batch, remote=True):
+            saved = trace_moments(lm, ["blocks.3.hook_resid_post"], batch["attention_mask"])
+        moments = moments_from_saved(saved)
+    """
+    from nnsight import save
+
+    backend = NNsightBackend(model)
+    prefix = _base_path(model, backend.base)
+    stats: dict[str, dict[str, Tensor]] = {}
+    for site in _execution_order(backend, [Site.parse(s) for s in sites]):
+        if site.kind == "embed":
+            path, where = backend.layout.embed
+        else:
+            block, where = backend.layout.block[site.kind]
+            path = ".".join(filter(None, (backend.layout.layers, str(site.layer), block)))
+        envoy = _envoy_at(model, f"{prefix}.{path}" if prefix else path)
+        value = envoy.input if where == "in" else envoy.output
+        stats[site.hook_name] = _reduce(_first(value, str(site)), mask)
+    return save(stats)
+
+
+def moments_from_saved(saved: Mapping[str, Mapping[str, Tensor]]) -> dict[Site, Any]:
+    """`Moments` per `Site` from what :func:`trace_moments` saved."""
+    from ..stats import Moments
+
+    return {
+        Site.from_hook_name(name): Moments().load_state_dict(dict(state))
+        for name, state in saved.items()
+    }
