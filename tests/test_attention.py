@@ -23,6 +23,8 @@ from tangentlens.probes.attention import (
     decompose_parts,
     decompose_scores,
     hf_attention_module,
+    linearize_norm,
+    norm_from_hf,
     params_from_bridge,
     params_from_hf,
     score_terms,
@@ -345,6 +347,25 @@ def test_resid_pre_site_with_frozen_norm_scale(arch: str) -> None:
     assert float(everything["NN"].abs().max()) < float(everything["TT"].abs().max())
 
 
+@pytest.mark.parametrize("arch", ["neox", "llama"])
+def test_left_padded_decoder(arch: str) -> None:
+    """Left padding: kept entries are causal and non-padded; rows of padding are dropped."""
+    model = bridge(arch)
+    tokens, _ = batch(arch)
+    mask = torch.ones_like(tokens)
+    mask[1, :3], mask[2, :5] = 0, 0
+    terms = score_terms(model, tokens, LAYER, random_basis(8), attention_mask=mask)
+    total = sum(terms.values())
+    keep = keep_mask(total.shape, True, mask)
+    pattern = torch.softmax(total.masked_fill(~keep, float("-inf")), -1)
+    real = capture(model, tokens, [f"blocks.{LAYER}.attn.hook_pattern"], mask).popitem()[1]
+    rows = mask.bool()[:, None, :, None]
+    assert float(torch.where(rows, pattern - real.double(), 0).abs().max()) < TOL
+    acc = AttentionAccumulator().update(terms, mask, causal=True)
+    assert acc.rows == int(mask.sum())
+    assert acc.entries == sum(n * (n + 1) // 2 for n in mask.sum(1).tolist())
+
+
 def test_resid_pre_rejects_post_norm() -> None:
     with pytest.raises(ValueError, match="post-norm"):
         score_terms(bridge("bert"), batch("bert")[0], LAYER, random_basis(4), site="resid_pre")
@@ -387,6 +408,43 @@ def test_hf_module_path_matches_bridge(arch: str) -> None:
     tl_terms = score_terms(model, tokens, LAYER, basis, attention_mask=mask)
     for t in TERMS:
         assert rel_err(terms[t], tl_terms[t]) < TOL, t
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "neox", "llama"])
+def test_hf_resid_pre_and_nnsight_wrapper(arch: str) -> None:
+    """The HF path through an nnsight wrapper, and a resid_pre basis through the frozen norm."""
+    from nnsight import NNsight
+
+    hf = hf_model(arch)
+    module, rotary_emb = hf_attention_module(NNsight(hf), LAYER)
+    assert module is hf_attention_module(hf, LAYER)[0]
+    params = params_from_hf(module, rotary_emb=rotary_emb)
+    norm = norm_from_hf(hf, LAYER)
+    ln = next(m for m in hf.modules() if any(c is module for c in m.children()))
+    ln = ln.ln_1 if arch == "gpt2" else ln.input_layernorm
+    seen: dict[str, Tensor] = {}
+    handles = [
+        ln.register_forward_hook(lambda m, a, o: seen.update(resid=a[0], x=o)),
+    ]
+    try:
+        with torch.no_grad():
+            hf(batch(arch)[0])
+    finally:
+        for h in handles:
+            h.remove()
+    basis = random_basis(8, seed=6)
+    x_t, x_n, offset = linearize_norm(*basis.split(seen["resid"]), norm)
+    assert rel_err(x_t + x_n + (0 if offset is None else offset), seen["x"]) < TOL
+    if offset is not None:
+        params_offset = replace(
+            params,
+            b_Q=params.b_Q + torch.einsum("d,hde->he", offset, params.W_Q.double()),
+            b_K=params.b_K + torch.einsum("d,hde->he", offset, params.W_K.double()),
+        )
+    else:
+        params_offset = params
+    terms = decompose_parts(x_t, x_n, params_offset)
+    assert rel_err(sum(terms.values()), reference_scores(seen["x"], params)) < TOL
 
 
 def test_params_from_hf_needs_rotary_emb() -> None:

@@ -274,9 +274,11 @@ def _with_input_offset(params: AttentionParams, offset: Tensor) -> AttentionPara
 
 def _norm_from_module(module: nn.Module) -> NormParams:
     name = type(module).__name__
-    weight = getattr(module, "weight", None)
-    if isinstance(module, nn.LayerNorm) or name in ("LayerNorm", "NativeLayerNorm"):
-        return NormParams("layernorm", weight, getattr(module, "bias", None), float(module.eps))
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    weight = None if weight is None else weight.detach()
+    bias = None if bias is None else bias.detach()
+    if isinstance(module, nn.LayerNorm) or name.endswith("LayerNormPre"):
+        return NormParams("layernorm", weight, bias, float(module.eps))
     if "RMSNorm" in name:
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if eps is None:
@@ -346,7 +348,8 @@ def params_from_hf(module: nn.Module, *, rotary_emb: nn.Module | None = None) ->
     models need the model's ``rotary_emb`` (e.g. ``model.model.rotary_emb``,
     ``model.gpt_neox.rotary_emb``; :func:`hf_attention_module` finds it).
     """
-    return _params_from_hf(module, rotary_emb).detached()
+    rotary = None if rotary_emb is None else _unwrap(rotary_emb)
+    return _params_from_hf(_unwrap(module), rotary).detached()
 
 
 def _params_from_hf(module: nn.Module, rotary_emb: nn.Module | None) -> AttentionParams:
@@ -409,10 +412,13 @@ def _require_rotary(module: nn.Module, rotary_emb: nn.Module | None) -> RotaryFn
     return _hf_rotary(rotary_emb, _module_apply_rotary(module))
 
 
-def _unwrap_hf(model: Any) -> nn.Module:
-    inner = getattr(model, "_model", model)  # nnsight NNsight / LanguageModel
+def _unwrap(model: Any) -> nn.Module:
+    """The torch module inside an nnsight ``NNsight``/``LanguageModel`` or ``Envoy``."""
+    inner = model if isinstance(model, nn.Module) else getattr(model, "_module", None)
     if not isinstance(inner, nn.Module):
-        raise TypeError(f"expected a Hugging Face model; got {type(model).__name__}.")
+        raise TypeError(
+            f"expected a torch module or an nnsight wrapper; got {type(model).__name__}."
+        )
     return inner
 
 
@@ -423,7 +429,7 @@ def hf_attention_module(model: Any, layer: int) -> tuple[nn.Module, nn.Module | 
     projections: capture it there for :func:`decompose_scores`. ``rotary_emb`` is the
     model-level rotary module or None. Accepts an nnsight wrapper too.
     """
-    hf = _unwrap_hf(model)
+    hf = _unwrap(model)
     base = getattr(hf, "base_model", hf)
     layers = None
     for path in ("h", "layers", "encoder.layer", "decoder.layers"):
@@ -448,8 +454,7 @@ def hf_attention_module(model: Any, layer: int) -> tuple[nn.Module, nn.Module | 
 def norm_from_hf(model: Any, layer: int) -> NormParams:
     """The pre-attention norm of ``layer`` in a pre-norm Hugging Face model."""
     attn, _ = hf_attention_module(model, layer)
-    base = getattr(_unwrap_hf(model), "base_model", model)
-    for block in base.modules():
+    for block in _unwrap(model).modules():
         if any(m is attn for m in block.children()):
             for attr in ("ln_1", "input_layernorm"):
                 if isinstance(getattr(block, attr, None), nn.Module):
@@ -481,6 +486,8 @@ def params_from_bridge(model: Any, layer: int) -> AttentionParams:
     its ``apply_rotary_pos_emb``; the native model's ``rotary.apply_rope`` and
     ``1/scale``).
     """
+    from transformer_lens.model_bridge.sources.native.model import NativeAttention
+
     attn = _tl_attention(model, layer)
     orig = attn.original_component
     if orig is None:
@@ -490,19 +497,17 @@ def params_from_bridge(model: Any, layer: int) -> AttentionParams:
     )
     if w_q.ndim != 3:
         raise ValueError(f"blocks.{layer}.attn.W_Q has shape {tuple(w_q.shape)}; expected 3-D.")
-    native_rotary = getattr(orig, "rotary", None)
-    if hasattr(native_rotary, "apply_rope"):  # TransformerLens native model
+    if isinstance(orig, NativeAttention):
+        if orig.attn_scores_soft_cap > 0:
+            raise ValueError("attn_scores_soft_cap is set: soft-capped scores are not additive.")
+        rotary = None
+        if orig.rotary is not None:
+            native_rotary = orig.rotary
 
-        def rotary(q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-            return native_rotary.apply_rope(q, k, position_ids=positions)
+            def rotary(q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+                return native_rotary.apply_rope(q, k, position_ids=positions)
 
-        if float(getattr(orig, "attn_scores_soft_cap", 0.0) or 0.0) > 0:
-            raise ValueError("attn_scores_soft_cap is set; the split is not additive.")
         return AttentionParams(w_q, w_k, b_q, b_k, 1.0 / float(orig.scale), rotary, orig.causal)
-    if hasattr(orig, "scale") and not hasattr(orig, "scaling"):  # native, no rotary
-        if float(getattr(orig, "attn_scores_soft_cap", 0.0) or 0.0) > 0:
-            raise ValueError("attn_scores_soft_cap is set; the split is not additive.")
-        return AttentionParams(w_q, w_k, b_q, b_k, 1.0 / float(orig.scale), None, orig.causal)
     hf_params = params_from_hf(orig, rotary_emb=_bridge_rotary_emb(model))
     return replace(hf_params, W_Q=w_q, W_K=w_k, b_Q=b_q, b_K=b_k)
 
@@ -532,11 +537,9 @@ def attention_input_hook(model: Any, layer: int) -> str:
     attention.
     """
     _tl_attention(model, layer)
-    return (
-        f"blocks.{layer}.attn.hook_in"
-        if _is_post_norm(model, layer)
-        else (f"blocks.{layer}.ln1.hook_out")
-    )
+    if _is_post_norm(model, layer):
+        return f"blocks.{layer}.attn.hook_in"
+    return f"blocks.{layer}.ln1.hook_out"
 
 
 def norm_from_bridge(model: Any, layer: int) -> NormParams:
