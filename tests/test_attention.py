@@ -435,16 +435,13 @@ def test_hf_resid_pre_and_nnsight_wrapper(arch: str) -> None:
     basis = random_basis(8, seed=6)
     x_t, x_n, offset = linearize_norm(*basis.split(seen["resid"]), norm)
     assert rel_err(x_t + x_n + (0 if offset is None else offset), seen["x"]) < TOL
-    if offset is not None:
-        params_offset = replace(
-            params,
-            b_Q=params.b_Q + torch.einsum("d,hde->he", offset, params.W_Q.double()),
-            b_K=params.b_K + torch.einsum("d,hde->he", offset, params.W_K.double()),
-        )
-    else:
-        params_offset = params
-    terms = decompose_parts(x_t, x_n, params_offset)
+    assert (offset is None) == (arch == "llama")  # RMSNorm has no bias
+    terms = decompose_scores(seen["resid"], basis, params, norm=norm)
     assert rel_err(sum(terms.values()), reference_scores(seen["x"], params)) < TOL
+    u_t, u_n = linearize_norm(*basis.split(seen["resid"]), norm)[:2]
+    no_offset = decompose_parts(u_t, u_n, params)
+    for t in ("TT", "TN", "NT", "NN"):  # the norm's bias only moves the bias term
+        torch.testing.assert_close(terms[t], no_offset[t])
 
 
 def test_params_from_hf_needs_rotary_emb() -> None:

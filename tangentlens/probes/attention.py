@@ -131,6 +131,7 @@ def _dot(q: Tensor, k: Tensor) -> Tensor:
     return torch.einsum("bhqe,bhke->bhqk", q, k)
 
 
+@torch.no_grad()
 def decompose_parts(
     x_tangent: Tensor,
     x_normal: Tensor,
@@ -145,7 +146,7 @@ def decompose_parts(
     attention input; ``positions`` ``(batch, pos)`` or ``(pos,)`` feed the rotary
     (default ``arange(pos)``). Returns ``TT, TN, NT, NN, bias``, each
     ``(batch, head, q_pos, k_pos)`` in ``dtype`` (at least float32), summing to the
-    pre-mask scaled scores.
+    pre-mask scaled scores. Runs without autograd: the terms are statistics' inputs.
     """
     if x_tangent.shape != x_normal.shape or x_tangent.ndim != 3:
         raise ValueError(
@@ -215,13 +216,24 @@ def decompose_scores(
     basis: TangentBasis,
     params: AttentionParams,
     *,
+    norm: NormParams | None = None,
     positions: Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> dict[str, Tensor]:
-    """Split ``x`` (batch, pos, d_model) with ``basis`` then :func:`decompose_parts`."""
+    """Split ``x`` (batch, pos, d_model) with ``basis``, then :func:`decompose_parts`.
+
+    Without ``norm``, ``x`` is the attention input (the exact input to W_Q/W_K). With
+    ``norm`` (the pre-attention norm), ``x`` is the residual stream before it and
+    ``basis`` was fitted there: the norm is made linear by freezing its scale at the
+    value on the full ``x`` (:func:`linearize_norm`), and its bias joins ``bias``.
+    """
     if not isinstance(basis, TangentBasis):
         raise TypeError(f"basis must be a TangentBasis; got {type(basis).__name__}.")
     x_t, x_n = basis.split(x)
+    if norm is not None:
+        x_t, x_n, offset = linearize_norm(x_t, x_n, norm, dtype=dtype)
+        if offset is not None:
+            params = _with_input_offset(params, offset)
     return decompose_parts(x_t, x_n, params, positions=positions, dtype=dtype)
 
 
@@ -263,6 +275,7 @@ def linearize_norm(
 
 def _with_input_offset(params: AttentionParams, offset: Tensor) -> AttentionParams:
     """Fold a constant input offset u_b into the biases: b' = b + u_b W."""
+    offset = offset.detach()
     b_q = torch.einsum("d,hde->he", offset, params.W_Q.to(offset))
     b_k = torch.einsum("d,hde->he", offset, params.W_K.to(offset))
     if params.b_Q is not None:
@@ -588,13 +601,7 @@ def score_terms(
         model(tokens, **kwargs)
     if "x" not in captured:
         raise RuntimeError(f"{hook_name} did not fire; is layer {layer} run by this model?")
-    with torch.no_grad():
-        x_t, x_n = basis.split(captured["x"])
-        if norm is not None:
-            x_t, x_n, offset = linearize_norm(x_t, x_n, norm)
-            if offset is not None:
-                params = _with_input_offset(params, offset)
-        return decompose_parts(x_t, x_n, params)
+    return decompose_scores(captured["x"], basis, params, norm=norm)
 
 
 # --------------------------------------------------------------------------- statistics
