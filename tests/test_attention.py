@@ -366,6 +366,22 @@ def test_left_padded_decoder(arch: str) -> None:
     assert acc.entries == sum(n * (n + 1) // 2 for n in mask.sum(1).tolist())
 
 
+def test_compatibility_mode_bridge() -> None:
+    """After enable_compatibility_mode() (folded LayerNorm, centred weights) the split
+    still reproduces the model's pattern, at both sites."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    model = TransformerBridge.boot_transformers(str(_folder("gpt2")), device="cpu").eval()
+    model.enable_compatibility_mode()
+    tokens, _ = batch("gpt2")
+    real = capture(model, tokens, [f"blocks.{LAYER}.attn.hook_pattern"], None).popitem()[1]
+    for site in ("attn_in", "resid_pre"):
+        total = sum(score_terms(model, tokens, LAYER, random_basis(8), site=site).values())
+        keep = keep_mask(total.shape, True, None)
+        pattern = torch.softmax(total.masked_fill(~keep, float("-inf")), -1)
+        assert float((pattern - real.double()).abs().max()) < TOL, site
+
+
 def test_resid_pre_rejects_post_norm() -> None:
     with pytest.raises(ValueError, match="post-norm"):
         score_terms(bridge("bert"), batch("bert")[0], LAYER, random_basis(4), site="resid_pre")

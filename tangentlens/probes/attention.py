@@ -168,35 +168,32 @@ def decompose_parts(
 
     q_t, q_n = _project(xt, w_q), _project(xn, w_q)
     k_t, k_n = _project(xt, w_k), _project(xn, w_k)
-    zeros = (batch, pos)
-    q_b = (
-        torch.zeros(batch, n, pos, e, device=dev, dtype=dtype)
-        if params.b_Q is None
-        else params.b_Q.to(dev, dtype)[None, :, None, :].expand(batch, n, pos, e)
-    )
-    k_b = (
-        torch.zeros(batch, n_kv, pos, e, device=dev, dtype=dtype)
-        if params.b_K is None
-        else params.b_K.to(dev, dtype)[None, :, None, :].expand(batch, n_kv, pos, e)
-    )
     has_bias = params.b_Q is not None or params.b_K is not None
+    if has_bias:  # biases broadcast over positions; rotary then makes them position-dependent
+        q_b, k_b = (
+            torch.zeros(batch, heads, pos, e, device=dev, dtype=dtype)
+            if b is None
+            else b.to(dev, dtype)[None, :, None, :].expand(batch, heads, pos, e).contiguous()
+            for b, heads in ((params.b_Q, n), (params.b_K, n_kv))
+        )
     if params.rotary is not None:
         if positions is None:
             positions = torch.arange(pos, device=dev)
         positions = torch.as_tensor(positions, device=dev).long()
         if positions.ndim == 1:
-            positions = positions[None].expand(*zeros)
-        if tuple(positions.shape) != zeros:
+            positions = positions[None].expand(batch, pos)
+        if tuple(positions.shape) != (batch, pos):
             raise ValueError(
                 f"positions must be ({pos},) or ({batch}, {pos}); got {tuple(positions.shape)}."
             )
         q_t, k_t = params.rotary(q_t, k_t, positions)
         q_n, k_n = params.rotary(q_n, k_n, positions)
         if has_bias:
-            q_b, k_b = params.rotary(q_b.contiguous(), k_b.contiguous(), positions)
+            q_b, k_b = params.rotary(q_b, k_b, positions)
     if n_kv != n:  # grouped-query attention: kv head j serves query heads j*r .. j*r+r-1
-        rep = n // n_kv
-        k_t, k_n, k_b = (t.repeat_interleave(rep, dim=1) for t in (k_t, k_n, k_b))
+        k_t, k_n = k_t.repeat_interleave(n // n_kv, 1), k_n.repeat_interleave(n // n_kv, 1)
+        if has_bias:
+            k_b = k_b.repeat_interleave(n // n_kv, 1)
     s = params.scale
     terms = {
         "TT": _dot(q_t, k_t) * s,
@@ -229,7 +226,7 @@ def decompose_scores(
     """
     if not isinstance(basis, TangentBasis):
         raise TypeError(f"basis must be a TangentBasis; got {type(basis).__name__}.")
-    x_t, x_n = basis.split(x)
+    x_t, x_n = basis.split(torch.as_tensor(x).detach())
     if norm is not None:
         x_t, x_n, offset = linearize_norm(x_t, x_n, norm, dtype=dtype)
         if offset is not None:
