@@ -270,15 +270,16 @@ def test_terms_sum_to_model_scores(arch: str) -> None:
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_rank_d_minus_one_basis(arch: str) -> None:
     """Q = d−1 columns of an orthogonal matrix: everything but the u-direction is
-    tangent; NN is the rank-1 term of u alone, computed independently."""
+    tangent; NN is the rank-1 term of u alone, computed independently. (Layer 0: the
+    forward stops early there.)"""
     model = bridge(arch)
     tokens, mask = batch(arch)
     gen = torch.Generator().manual_seed(3)
     full = torch.linalg.qr(torch.randn(D, D, generator=gen, dtype=torch.float64)).Q
     basis, u = TangentBasis(full[:, :-1]), full[:, -1]
-    terms = score_terms(model, tokens, LAYER, basis, attention_mask=mask)
-    params = params_from_bridge(model, LAYER)
-    x = capture(model, tokens, [attention_input_hook(model, LAYER)], mask).popitem()[1].double()
+    terms = score_terms(model, tokens, 0, basis, attention_mask=mask)
+    params = params_from_bridge(model, 0)
+    x = capture(model, tokens, [attention_input_hook(model, 0)], mask).popitem()[1].double()
 
     unbiased = terms["TT"] + terms["TN"] + terms["NT"] + terms["NN"]
     assert rel_err(unbiased, reference_scores(x, params, bias=False)) < TOL

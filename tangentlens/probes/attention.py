@@ -592,6 +592,8 @@ def score_terms(
         captured["x"] = x.detach()
 
     kwargs: dict[str, Any] = {"return_type": None}
+    if layer + 1 < len(model.blocks):  # later blocks are not needed
+        kwargs["stop_at_layer"] = layer + 1
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     with torch.no_grad(), model.hooks(fwd_hooks=[(hook_name, capture)]):
