@@ -206,7 +206,16 @@ class ProbeSession:
         d = self.backend.d_model
         for site, basis in bases.items():
             if site not in available:
-                select_sites(available, [site.hook_name])  # raises, naming what exists
+                raise ValueError(
+                    f"site {site} does not exist on this model"
+                    + (
+                        " (parallel attention and MLP: no resid_mid; use resid_pre or resid_post)"
+                        if site.kind == "resid_mid"
+                        else ""
+                    )
+                    + f"; it has layers 0..{self.backend.n_layers - 1} with "
+                    f"{sorted({s.kind for s in available})}. Drop that basis or refit."
+                )
             if basis.d != d:
                 raise ValueError(
                     f"the basis for {site} has d={basis.d} but the model has d_model={d}; "

@@ -1,0 +1,321 @@
+"""Probes on TransformerLens bridges: exactness against a by-hand reference, planted
+truth, streaming and padding invariance, gradients, BasisSet files, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from models import ALL_MODELS, CAUSAL, padded_batch, tl_bridge, tokens
+
+from tangentlens.hooks import Site
+from tangentlens.probes import BasisSet, DepthProfile, fit_bases, lm_loss, probe, run
+from tangentlens.probes.activation import Reservoir
+from tangentlens.subspace import TangentBasis
+
+OPTS = {"n_controls": 50, "controls": "uniform", "progress": False}
+RANK = 4
+
+
+@pytest.fixture(scope="module")
+def fitted() -> dict[str, BasisSet]:
+    return {
+        a: fit_bases(tl_bridge(a), [tokens(a, 4, 12, seed=1)], rank=RANK, progress=False)
+        for a in ALL_MODELS
+    }
+
+
+def _stat(frame: pd.DataFrame, probe_: str, site: str, stat: str) -> pd.Series:
+    rows = frame[(frame.probe == probe_) & (frame.site == site) & (frame.statistic == stat)]
+    return rows.set_index(["layer", "head"])["value"].sort_index()
+
+
+def _encoder_loss(model, batch):
+    return model(batch["input_ids"], attention_mask=batch["attention_mask"]).pow(2).sum()
+
+
+# ------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("arch", ALL_MODELS)
+def test_residual_probe_matches_a_by_hand_reference(arch: str, fitted: dict) -> None:
+    """tangent + normal == x exactly; the streamed shares equal shares computed from
+    run_with_cache over the unpadded tokens (writes in the downstream stream's basis)."""
+    model, bases = tl_bridge(arch), fitted[arch]
+    batch = padded_batch(arch)
+    session = run(model, [batch], bases, ("residual",), **OPTS)
+    frame = session.results()
+    _, cache = model.run_with_cache(batch["input_ids"], attention_mask=batch["attention_mask"])
+    keep = batch["attention_mask"].bool()
+    for kind in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"):
+        got = _stat(frame, "residual", kind, "tangent_share")
+        if kind == "resid_mid" and arch == "neox":
+            assert got.empty
+            continue
+        for layer in range(2):
+            x = cache[Site(layer, kind).hook_name][keep]
+            if kind in ("attn_out", "mlp_out"):
+                mid = "resid_mid" if kind == "attn_out" and arch != "neox" else "resid_post"
+                basis = bases[Site(layer, mid)]
+            else:
+                basis = bases[Site(layer, kind)]
+            tangent, normal = basis.split(x)  # float32 in, float64 out: the sum is exact
+            assert torch.equal(tangent + normal, x.double())
+            want = float(tangent.pow(2).sum() / x.double().pow(2).sum())
+            assert got[(layer, pd.NA)] == pytest.approx(want, rel=1e-6)  # float32 model noise
+    chance = frame.query("statistic == 'chance_share'")["value"]
+    assert np.allclose(chance, RANK / 32)
+    assert frame[frame.probe == "residual"]["head"].isna().all()
+
+
+@pytest.mark.parametrize("arch", ALL_MODELS)
+def test_attention_probe_matches_score_terms(arch: str, fitted: dict) -> None:
+    from tangentlens.probes.attention import AttentionAccumulator, score_terms
+
+    model, bases = tl_bridge(arch), fitted[arch]
+    batch = padded_batch(arch)
+    frame = run(model, [batch], bases, ("attention",), **OPTS).results()
+    for layer in range(2):
+        terms = score_terms(
+            model,
+            batch["input_ids"],
+            layer,
+            bases[Site(layer, "attn_in")],
+            attention_mask=batch["attention_mask"],
+        )
+        acc = AttentionAccumulator().update(terms, batch["attention_mask"], causal=arch != "bert")
+        for stat, per_head in acc.results().items():
+            got = _stat(frame, "attention", "attn_in", stat).loc[layer]
+            np.testing.assert_allclose(got.to_numpy(), per_head.numpy(), rtol=1e-6, atol=1e-9)
+
+
+# ------------------------------------------------------------------ planted truth
+def _planting_hook(replace):
+    def hook(x, hook):
+        return replace(x)
+
+    return hook
+
+
+def test_planted_subspace_gives_share_one_and_random_bases_chance() -> None:
+    model = tl_bridge("native")
+    gen = torch.Generator().manual_seed(3)
+    q = torch.linalg.qr(torch.randn(32, RANK, generator=gen, dtype=torch.float64))[0]
+    planted = {"blocks.1.hook_resid_pre": TangentBasis(q)}
+    ids = tokens("native", 8, 16)
+    name = "blocks.1.hook_resid_pre"
+    project = _planting_hook(lambda x: (x.double() @ q @ q.T).to(x.dtype))
+    # the planting hook is attached first, so it runs before the probe's
+    with model.hooks(fwd_hooks=[(name, project)]), probe(model, planted, ("residual",)) as s:
+        model(ids)
+    session = s
+    share = _stat(session.results(), "residual", "resid_pre", "tangent_share")
+    assert share.iloc[0] == pytest.approx(1.0, abs=1e-6)
+
+    # isotropic residuals: any basis, here 20 random ones, holds k/d of the energy
+    noise = _planting_hook(lambda x: torch.randn(x.shape, generator=gen).to(x.dtype))
+    shares = []
+    for i in range(20):
+        qr = torch.linalg.qr(torch.randn(32, RANK, generator=gen, dtype=torch.float64))[0]
+        with (
+            model.hooks(fwd_hooks=[(name, noise)]),
+            probe(model, {name: TangentBasis(qr)}, ("residual",)) as session,
+        ):
+            model(tokens("native", 8, 16, seed=i))
+        shares.append(_stat(session.results(), "residual", "resid_pre", "tangent_share").iloc[0])
+    assert np.mean(shares) == pytest.approx(RANK / 32, abs=0.01)
+
+
+# ------------------------------------------------------------------ streaming
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_results_do_not_depend_on_batch_split(arch: str, fitted: dict) -> None:
+    model, bases = tl_bridge(arch), fitted[arch]
+    full = padded_batch(arch, batch=4, pos=12)
+    halves = [{k: v[i : i + 2] for k, v in full.items()} for i in (0, 2)]
+    singles = [{k: v[i : i + 1] for k, v in full.items()} for i in range(4)]
+    probes = ("residual", "attention", "gradient", "activation")
+    loss = None if arch != "bert" else _encoder_loss
+    frames = [
+        run(model, split, bases, probes, loss=loss, reservoir=16, **OPTS).results()
+        for split in ([full], halves, singles)
+    ]
+    key = ["probe", "site", "layer", "head", "statistic"]
+    ref = frames[0].sort_values(key).reset_index(drop=True)
+    assert len(ref) > 100
+    for other in frames[1:]:
+        other = other.sort_values(key).reset_index(drop=True)
+        pd.testing.assert_frame_equal(ref[key], other[key])
+        np.testing.assert_allclose(other["value"], ref["value"], rtol=2e-5, atol=1e-9)
+
+
+def test_padding_is_masked_out_of_every_statistic(fitted: dict) -> None:
+    """Right-padded rows give the same numbers as the same tokens without padding."""
+    model, bases = tl_bridge("gpt2"), fitted["gpt2"]
+    batch = padded_batch("gpt2", batch=3, pos=12)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    unpadded = [batch["input_ids"][i : i + 1, :n] for i, n in enumerate(lengths)]
+    probes = ("residual", "attention", "gradient")
+    padded = run(model, [batch], bases, probes, **OPTS).results()
+    plain = run(model, unpadded, bases, probes, **OPTS).results()
+    np.testing.assert_allclose(plain["value"], padded["value"], rtol=2e-5, atol=1e-9)
+
+
+def test_reservoir_is_uniform_bounded_and_split_invariant() -> None:
+    x = torch.arange(3000, dtype=torch.float32)[:, None].repeat(1, 2)
+    one = Reservoir(100, seed=1).update(x)
+    many = Reservoir(100, seed=1)
+    for chunk in x.split(7):
+        many.update(chunk)
+    assert torch.equal(one.sample(), many.sample())
+    assert one.sample().shape == (100, 2) and one.seen == 3000
+    assert 1000 < one.sample()[:, 0].mean() < 2000  # uniform over the stream, not a prefix
+
+
+# ------------------------------------------------------------------ gradients
+@pytest.mark.parametrize("arch", CAUSAL)
+def test_gradient_moments_match_autograd(arch: str, fitted: dict) -> None:
+    """Gradient Moments equal ∂(summed LM loss)/∂x at the site, over unpadded tokens."""
+    model, bases = tl_bridge(arch), fitted[arch]
+    batch = padded_batch(arch)
+    session = run(model, [batch], bases, ("gradient",), **OPTS)
+    name = "blocks.1.hook_resid_pre"
+    saved = {}
+
+    def keep_grad(x, hook):
+        x.retain_grad()
+        saved["x"] = x
+
+    model.zero_grad(set_to_none=True)
+    with model.hooks(fwd_hooks=[(name, keep_grad)]):
+        lm_loss(model, batch).backward()
+    model.zero_grad(set_to_none=True)
+    grads = saved["x"].grad[batch["attention_mask"].bool()].double()
+    got = session.gradient_moments[name]
+    assert got.count == grads.shape[0]
+    want = grads.T @ grads / grads.shape[0]
+    torch.testing.assert_close(got.second_moment(), want, rtol=1e-4, atol=1e-6 * want.abs().max())
+    frame = session.results()
+    stats = set(frame[frame.probe == "gradient"]["statistic"])
+    assert {
+        "energy_ratio",
+        "p_value",
+        "tangent_share",
+        "normalized_ratio",
+        "delta_iso_tangent",
+        "delta_iso_normal",
+    } <= stats
+    assert all(p.grad is None for p in model.parameters())  # run() leaves .grad alone
+
+
+def test_encoder_gradient_needs_a_loss(fitted: dict) -> None:
+    with pytest.raises(ValueError, match="needs a loss: pass loss="):
+        run(tl_bridge("bert"), [tokens("bert")], fitted["bert"], ("gradient",), **OPTS)
+    frame = run(
+        tl_bridge("bert"),
+        [padded_batch("bert")],
+        fitted["bert"],
+        ("gradient",),
+        loss=_encoder_loss,
+        **OPTS,
+    ).results()
+    assert frame["value"].notna().all() and len(frame) > 0
+
+
+# ------------------------------------------------------------------ bases
+def test_fit_bases_and_basis_set_round_trip(tmp_path, fitted: dict) -> None:
+    bases = fitted["llama"]
+    assert set(bases) == {
+        f"blocks.{layer}.{n}"
+        for layer in range(2)
+        for n in ("hook_resid_pre", "ln1.hook_out", "hook_resid_mid", "hook_resid_post")
+    }
+    assert bases["blocks.0.hook_in"] is bases[Site(0, "resid_pre")]
+    assert bases.moments["blocks.0.hook_resid_pre"].count == 48
+    assert bases.provenance["rank"] == RANK and bases.provenance["weight_hash"]
+    path = bases.save(tmp_path / "bases.safetensors")
+    loaded = BasisSet.load(path)
+    assert list(loaded) == list(bases) and loaded.provenance == bases.provenance
+    for name in bases:
+        assert torch.equal(loaded[name].basis_, bases[name].basis_)
+    by_variance = fit_bases(
+        tl_bridge("llama"),
+        [tokens("llama", 4, 12)],
+        variance=0.5,
+        sites="blocks.0.hook_resid_pre",
+        progress=False,
+    )
+    assert list(by_variance) == ["blocks.0.hook_resid_pre"]
+    assert 1 <= by_variance["blocks.0.hook_resid_pre"].k < 32
+
+
+def test_bad_input_names_the_fix(fitted: dict) -> None:
+    model, bases = tl_bridge("neox"), fitted["neox"]
+    q = bases["blocks.0.hook_resid_pre"]
+    with pytest.raises(ValueError, match="no resid_mid"):
+        probe(model, {"blocks.0.hook_resid_mid": q}, ("residual",))
+    with pytest.raises(ValueError, match="does not exist on this model"):
+        probe(model, {"blocks.7.hook_resid_pre": q}, ("residual",))
+    with pytest.raises(ValueError, match=r"layers \[5\] do not exist.*layers 0..1"):
+        probe(model, bases, ("residual",), layers=5)
+    with pytest.raises(ValueError, match="not a probe site"):
+        probe(model, {"blocks.0.attn.hook_pattern": q}, ("residual",))
+    with pytest.raises(ValueError, match="probes must be a non-empty subset"):
+        probe(model, bases, ("residuals",))
+    with pytest.raises(ValueError, match="integer token ids"):
+        run(model, [torch.randn(2, 3)], bases, ("residual",), progress=False)
+    with pytest.raises(ValueError, match="exactly one of rank"):
+        fit_bases(model, [tokens("neox")], progress=False)
+    with (
+        pytest.warns(UserWarning, match="attention probe has no site"),
+        pytest.raises(ValueError, match="nothing to probe"),
+    ):
+        probe(model, {"blocks.0.hook_resid_pre": q}, ("attention",))
+
+
+# ------------------------------------------------------------------ depth profile
+def _synthetic(energy: list[float], p: list[float]) -> pd.DataFrame:
+    rows = []
+    for layer, (e, pv) in enumerate(zip(energy, p, strict=True)):
+        share = 0.125 * (1 + layer)
+        for probe_, stat, v in [
+            ("residual", "tangent_share", share),
+            ("residual", "chance_share", 0.125),
+            ("residual", "share_ratio", share / 0.125),
+            ("gradient", "energy_ratio", e),
+            ("gradient", "p_value", pv),
+        ]:
+            rows.append(
+                {
+                    "probe": probe_,
+                    "site": "resid_pre",
+                    "layer": layer,
+                    "head": pd.NA,
+                    "statistic": stat,
+                    "value": v,
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def test_depth_profile_onset_amplification_and_plot(fitted: dict) -> None:
+    profile = DepthProfile(_synthetic([2.0, 1.0, 1.6, 2.4, 3.0], [0.01, 0.5, 0.01, 0.01, 0.001]))
+    assert profile.onset_layer == 2  # layer 0 is biased but the bias does not stay
+    table = profile.to_frame()
+    assert table.loc[3, "energy_amplification"] == pytest.approx(2.4 / 1.6)
+    assert table.loc[1, "share_amplification"] == pytest.approx(2.0)
+    assert np.isnan(table.loc[0, "energy_amplification"])
+    assert DepthProfile(_synthetic([2.0, 3.0], [0.5, 0.5])).onset_layer is None
+    fig = profile.plot()
+    assert fig.axes and fig.axes[0].get_xlabel() == "layer"
+    # and from a real session
+    session = run(
+        tl_bridge("llama"),
+        [padded_batch("llama")],
+        fitted["llama"],
+        ("residual", "gradient"),
+        **OPTS,
+    )
+    real = DepthProfile(session.results())
+    assert real.layers == [0, 1]
+    assert real.to_frame()[["tangent_share", "energy_ratio", "mlp_write_ratio"]].notna().all().all()
+    with pytest.raises(ValueError, match="no residual share_ratio"):
+        DepthProfile(session.results(), site="embed")
