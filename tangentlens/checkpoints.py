@@ -378,7 +378,8 @@ class CheckpointSeries:
             from . import models
 
             loaded.backend = backend
-            loaded.backend_model = models.load(ckpt.source, backend=backend).model
+            with quiet_transformers():
+                loaded.backend_model = models.load(ckpt.source, backend=backend).model
         return loaded
 
     def hash_all(self, progress: bool = True) -> dict[int, str]:

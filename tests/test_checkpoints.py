@@ -165,3 +165,13 @@ def test_shape_change_is_caught_at_load_for_any_loader(run):
     series.load(0)
     with pytest.raises(ValueError, match="does not match step 0"):
         series.load(1)
+
+
+def test_backend_hook_wraps_a_local_checkpoint(run):
+    series = CheckpointSeries.from_folder(run)
+    loaded = series.load(1, backend="transformer_lens")
+    assert loaded.backend == "transformer_lens"
+    assert type(loaded.backend_model).__name__ == "TransformerBridge"
+    tokens = loaded.tokenizer("In the beginning", return_tensors="pt")["input_ids"]
+    logits = loaded.backend_model(tokens)
+    assert logits.shape[-1] == loaded.model.config.vocab_size
