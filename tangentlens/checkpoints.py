@@ -240,7 +240,14 @@ class CheckpointSeries:
                     "delete it or finish writing it."
                 )
             meta_path = sub / METADATA_FILE
-            meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+            meta = {}
+            if meta_path.is_file():
+                try:
+                    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+                except (OSError, json.JSONDecodeError) as err:
+                    raise ValueError(
+                        f"{meta_path} is corrupt ({err}); delete that checkpoint or the file."
+                    ) from err
             found.append(Checkpoint(step, str(sub), None, meta))
         if not found:
             single = (root / "config.json").is_file()

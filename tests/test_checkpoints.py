@@ -147,6 +147,12 @@ def test_bad_input_gives_one_line_errors(run, tmp_path):
     with pytest.raises(ValueError, match="incomplete checkpoint"):
         CheckpointSeries.from_folder(partial)
 
+    (partial / "step4").rmdir()
+    (partial / "step0" / "tangentlens.json").write_text("{truncated")
+    with pytest.raises(ValueError, match="is corrupt") as err:
+        CheckpointSeries.from_folder(partial)
+    _one_line(err)
+
     with pytest.raises(ValueError, match="appear twice"):
         CheckpointSeries([Checkpoint(1, "a"), Checkpoint(1, "b")])
     with pytest.raises(ValueError, match="at least one checkpoint"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -99,6 +100,26 @@ def test_finished_run_is_not_redone_and_config_must_match(tiny_run):
     assert {p.name: p.stat().st_mtime_ns for p in tiny_run.glob("step*")} == before
     with pytest.raises(ValueError, match="different TrainConfig"):
         train(TrainConfig.tiny(seed=9), tiny_run, progress=False)
+
+
+def test_rerun_checks_folders_it_would_rewrite(tiny_run, tmp_path):
+    # A kill between a folder's rename and the state write leaves folders ahead of the
+    # state: the rerun recomputes them, keeps them, and refuses weights that differ.
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_run, out)
+    (out / "train_state.safetensors").unlink()
+    shutil.rmtree(out / "step24")
+    kept = (out / "step16" / "model.safetensors").stat().st_mtime_ns
+    train(TrainConfig.tiny(), out, progress=False)
+    assert _hashes(out) == _hashes(tiny_run)
+    assert (out / "step16" / "model.safetensors").stat().st_mtime_ns == kept
+    (out / "train_state.safetensors").unlink()
+    shutil.rmtree(out / "step24")
+    meta = json.loads((out / "step8" / "tangentlens.json").read_text())
+    meta["weights_hash"] = "0" * 64
+    (out / "step8" / "tangentlens.json").write_text(json.dumps(meta))
+    with pytest.raises(RuntimeError, match="delete the folder"):
+        train(TrainConfig.tiny(), out, progress=False)
 
 
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
