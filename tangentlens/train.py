@@ -284,95 +284,95 @@ def _prepare_out_dir(config: TrainConfig, out: Path) -> None:
 
 # --------------------------------------------------------------------------- train
 def train(config: TrainConfig, out_dir: str | Path, progress: bool = True) -> Path:
-    """Train (or resume) a run; returns ``out_dir``, which holds ``step{N}`` checkpoints."""
+    """Train (or resume) a run; returns ``out_dir``, which holds ``step{N}`` checkpoints.
+
+    The caller's torch RNG state and thread count are restored afterwards.
+    """
+    out = Path(out_dir)
+    _prepare_out_dir(config, out)
+    if (out / f"step{config.max_steps}").is_dir():
+        return out
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.num_threads)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            _run(config, out, progress)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _run(config: TrainConfig, out: Path, progress: bool) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from . import __version__
     from .corpus import encode, load_lines, token_batches
 
-    out = Path(out_dir)
-    _prepare_out_dir(config, out)
-    schedule = config.steps
-    final_dir = out / f"step{config.max_steps}"
-    if final_dir.is_dir():
-        return out
+    lines = load_lines(config.corpus, config.max_chars)
+    tok_dir = out / TOKENIZER_DIR
+    if not tok_dir.is_dir():
+        _atomic_dir(tok_dir, _train_tokenizer(lines, config.vocab_size).save_pretrained)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    data = token_batches(
+        tokenizer,
+        ids=encode(tokenizer, lines),
+        seq_len=config.seq_len,
+        probe_fraction=config.probe_fraction,
+        seed=config.seed,
+    )
+    eval_x = data.probe[: config.eval_blocks]
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.num_threads)
-    try:
-        lines = load_lines(config.corpus, config.max_chars)
-        tok_dir = out / TOKENIZER_DIR
-        if not tok_dir.is_dir():
-            tokenizer = _train_tokenizer(lines, config.vocab_size)
-            _atomic_dir(tok_dir, tokenizer.save_pretrained)
-        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        data = token_batches(
-            tokenizer,
-            ids=encode(tokenizer, lines),
-            seq_len=config.seq_len,
-            probe_fraction=config.probe_fraction,
-            seed=config.seed,
-        )
-        eval_x = data.probe[: config.eval_blocks]
+    torch.manual_seed(config.seed)
+    model = LlamaForCausalLM(_model_config(config, tokenizer))
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+    )
+    start = 0
+    if (out / STATE_FILE).exists():
+        tensors, meta = load_tensors(out / STATE_FILE)
+        start = int(meta["step"])
+        weights, _ = load_tensors(out / f"step{start}" / "model.safetensors")
+        result = model.load_state_dict(weights, strict=False)
+        if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
+            raise ValueError(
+                f"{out / f'step{start}'} does not match this config's model; "
+                "delete the output folder or pass the config it was trained with."
+            )
+        _load_optimizer(opt, tensors, json.loads(meta["optimizer"]))
+        torch.set_rng_state(tensors["rng"])
 
-        torch.manual_seed(config.seed)
-        model = LlamaForCausalLM(_model_config(config, tokenizer))
-        opt = torch.optim.AdamW(
-            model.parameters(),
-            lr=config.lr,
-            betas=config.betas,
-            weight_decay=config.weight_decay,
-        )
-        start = 0
-        if (out / STATE_FILE).exists():
-            tensors, meta = load_tensors(out / STATE_FILE)
-            start = int(meta["step"])
-            weights, _ = load_tensors(out / f"step{start}" / "model.safetensors")
-            result = model.load_state_dict(weights, strict=False)
-            if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
-                raise ValueError(
-                    f"{out / f'step{start}'} does not match this config's model; "
-                    "delete the output folder or pass the config it was trained with."
-                )
-            _load_optimizer(opt, tensors, json.loads(meta["optimizer"]))
-            torch.set_rng_state(tensors["rng"])
-
-        bar = tqdm(
-            total=config.max_steps, initial=start, desc="train", disable=not progress, leave=False
-        )
-        for step in range(start, config.max_steps + 1):
-            rng = torch.get_rng_state()
-            x = data.batch(step, config.batch_size)
-            for group in opt.param_groups:
-                group["lr"] = _lr(config, step)
-            model.train()
-            loss = model(input_ids=x, labels=x).loss
-            if step in schedule:
-                _checkpoint(
-                    out, step, model, tokenizer, opt, rng,
-                    {
-                        "step": step,
-                        "loss": loss.item(),
-                        "eval_loss": _eval_loss(model, eval_x),
-                        "tokens_seen": step * config.batch_size * config.seq_len,
-                        "lr": _lr(config, step),
-                        "config": config.to_dict(),
-                        "tangentlens_version": __version__,
-                    },
-                )  # fmt: skip
-            if step == config.max_steps:
-                break
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        bar.close()
-    finally:
-        torch.set_num_threads(threads)
-    return out
+    schedule = set(config.steps)
+    bar = tqdm(
+        total=config.max_steps, initial=start, desc="train", disable=not progress, leave=False
+    )
+    for step in range(start, config.max_steps + 1):
+        rng = torch.get_rng_state()  # before this step's forward: dropout replays on resume
+        x = data.batch(step, config.batch_size)
+        for group in opt.param_groups:
+            group["lr"] = _lr(config, step)
+        model.train()
+        loss = model(input_ids=x, labels=x).loss
+        if step in schedule:
+            metadata = {
+                "step": step,
+                "loss": loss.item(),
+                "eval_loss": _eval_loss(model, eval_x),
+                "tokens_seen": step * config.batch_size * config.seq_len,
+                "lr": _lr(config, step),
+                "config": config.to_dict(),
+                "tangentlens_version": __version__,
+            }
+            _checkpoint(out, step, model, tokenizer, opt, rng, metadata)
+        if step == config.max_steps:
+            break
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    bar.close()
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tangentlens.io import tensor_hash
@@ -88,7 +89,13 @@ def test_same_seed_same_weights(tiny_run, tmp_path):
 
 def test_progress_bar_shows_loss_and_can_be_silenced(tmp_path, capfd):
     cfg = TrainConfig.tiny(max_steps=2, warmup_steps=1)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    threads = torch.get_num_threads()
     train(cfg, tmp_path / "quiet", progress=False)
+    assert torch.equal(torch.rand(3), expected)  # the caller's RNG is left alone
+    assert torch.get_num_threads() == threads
     assert capfd.readouterr().err == ""
     train(cfg, tmp_path / "loud", progress=True)
     assert "loss=" in capfd.readouterr().err
@@ -123,7 +130,7 @@ def test_rerun_checks_folders_it_would_rewrite(tiny_run, tmp_path):
 
 
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
-    cfg = TrainConfig.tiny(max_steps=120, checkpoint_every=16)
+    cfg = TrainConfig.tiny(max_steps=120, checkpoint_every=16, dropout=0.1)  # RNG matters
     reference = train(cfg, tmp_path / "reference", progress=False)
     out = tmp_path / "killed"
     script = (
