@@ -1,0 +1,7 @@
+"""``python -m tangentlens``: the same as the ``tangentlens`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,490 @@
+"""The ``tangentlens`` command (also ``python -m tangentlens``).
+
+    tangentlens demo [--out DIR] [--quick]         train, study, report: all offline
+    tangentlens probe --model NAME|FOLDER --out DIR one checkpoint: bases, probes, figures
+    tangentlens train --out DIR                     the small model, Pythia-like checkpoints
+    tangentlens study --checkpoints DIR|HUB_ID --out DIR
+    tangentlens report DIR                          re-render report.html from saved results
+
+Imports stay inside the commands so ``tangentlens --help`` answers without loading torch.
+Mistakes a person can make end in one line on stderr that names the fix and exit code 2;
+set ``TANGENTLENS_DEBUG=1`` to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["build_parser", "main"]
+
+EXIT_USAGE = 2
+DEBUG_ENV = "TANGENTLENS_DEBUG"
+CHECKPOINTS_DIR = "checkpoints"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see `{self.prog} --help`.\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _layer(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a layer is an integer >= 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 0.5:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 0.5], got {text!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- helpers
+def _writable_dir(path: str | Path) -> Path:
+    """Create ``path`` and check a file can be written there, before any long work."""
+    import tempfile
+
+    out = Path(path).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise OSError(f"cannot write to {out} ({reason}); choose a writable --out folder") from err
+    return out
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    if not args.quiet:
+        print(text, flush=True)
+
+
+def _save_table(table: Any, out: Path, name: str = "results") -> None:
+    from .io import write_text
+
+    write_text(out / f"{name}.csv", table.to_csv(index=False))
+    write_text(out / f"{name}.json", table.to_json(orient="records", indent=1) + "\n")
+
+
+def _token_blocks(tokenizer: Any, text: str | None, tokens: int, seq_len: int) -> Any:
+    """``(n, seq_len)`` token blocks: ``2 * tokens`` tokens of the text (or the KJV)."""
+    from .corpus import encode, load_lines
+
+    lines = load_lines(text, max_chars=max(20_000, 12 * 2 * tokens))
+    ids = encode(tokenizer, lines)
+    n_blocks = min(ids.numel() // seq_len, 2 * max(1, tokens // seq_len))
+    if n_blocks < 2:
+        raise ValueError(
+            f"the text has {ids.numel()} tokens, too few for two blocks of {seq_len}; "
+            "pass a longer --text or a smaller --seq-len"
+        )
+    return ids[: n_blocks * seq_len].view(n_blocks, seq_len)
+
+
+def probe_checkpoint(
+    model: Any,
+    blocks: Any,
+    *,
+    rank: int,
+    layers: Sequence[int] | None = None,
+    probes: Sequence[str] = ("residual", "attention", "gradient"),
+    batch_size: int = 8,
+    n_controls: int = 1000,
+    world_size: int = 1,
+    model_factory: Callable[[], Any] | None = None,
+    progress: bool = True,
+) -> tuple[Any, Any]:
+    """Fit rank-``rank`` bases (resid_pre and attention input) on the first half of
+    ``blocks`` and probe the second half; returns ``(results, bases)``."""
+    from .hooks.base import get_backend
+    from .hooks.sites import Site
+    from .probes.session import fit_bases, run
+
+    d_model = get_backend(model).d_model
+    if rank >= d_model:
+        raise ValueError(f"--rank {rank} must be below the model width d_model={d_model}")
+    half = blocks.shape[0] // 2
+    fit_set = list(blocks[:half].split(batch_size))
+    probe_set = list(blocks[half:].split(batch_size))
+
+    def sites(name: str) -> bool:
+        return Site.from_hook_name(name).kind in ("resid_pre", "attn_in")
+
+    bases = fit_bases(model, fit_set, rank, sites=sites, layers=layers, progress=progress)
+    if world_size > 1:
+        from .distributed import run_probe
+
+        results = run_probe(
+            model_factory, probe_set, bases, probes, world_size=world_size,
+            layers=layers, n_controls=n_controls,
+        )  # fmt: skip
+    else:
+        session = run(
+            model, probe_set, bases, probes, layers=layers, n_controls=n_controls,
+            progress=progress,
+        )  # fmt: skip
+        results = session.results()
+    return results, bases
+
+
+def _load_model(name: str, backend: str) -> Any:
+    """Module-level (picklable) model factory for data-parallel workers."""
+    from .models import load
+
+    return load(name, backend).model
+
+
+# ----------------------------------------------------------------------------- commands
+def cmd_probe(args: argparse.Namespace) -> int:
+    """One checkpoint: fit bases, run the probes, write tables, figures and a report."""
+    import functools
+
+    import tangentlens
+
+    from .io import write_json
+    from .models import load
+    from .report import format_summary, summary, write_report
+
+    out = _writable_dir(args.out)
+    start = time.perf_counter()
+    _say(args, f"loading {args.model} ({args.backend}) …")
+    loaded = load(args.model, args.backend)
+    probes = ["residual", "attention"]
+    if loaded.causal:
+        probes.append("gradient")
+    else:
+        _say(args, "encoder: no next-token loss, so the gradient probe is skipped")
+    blocks = _token_blocks(loaded.tokenizer, args.text, args.tokens, args.seq_len)
+    results, bases = probe_checkpoint(
+        loaded.model,
+        blocks,
+        rank=args.rank,
+        layers=args.layers,
+        probes=probes,
+        batch_size=args.batch_size,
+        n_controls=args.controls,
+        world_size=args.world_size,
+        model_factory=functools.partial(_load_model, args.model, args.backend),
+        progress=not args.quiet,
+    )
+    _save_table(results, out)
+    bases.save(out / "bases" / f"rank{args.rank}.safetensors")
+    manifest = {
+        "command": "probe",
+        "model": args.model,
+        "source": loaded.source,
+        "backend": args.backend,
+        "tokens_fitted": int(blocks.shape[0] // 2 * blocks.shape[1]),
+        "tokens_probed": int((blocks.shape[0] - blocks.shape[0] // 2) * blocks.shape[1]),
+        "probes": probes,
+        "seconds": round(time.perf_counter() - start, 1),
+        "tangentlens_version": tangentlens.__version__,
+        "bases": bases.provenance,
+        "config": _config(args),
+    }
+    write_json(out / "manifest.json", manifest)
+    page = write_report(results, out / "report.html", manifest=manifest, title=f"{args.model}")
+    _say(args, f"\nreport: {page}\ntables: {out / 'results.csv'}, bases: {out / 'bases'}")
+    _say(args, format_summary(summary(results)))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("func", "quiet")}
+
+
+def _train_config(args: argparse.Namespace) -> Any:
+    from .train import TrainConfig
+
+    overrides = {
+        k: v
+        for k, v in (("corpus", args.corpus), ("max_steps", args.max_steps), ("seed", args.seed))
+        if v is not None
+    }
+    return TrainConfig.tiny(**overrides) if args.quick else TrainConfig(**overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train the small model and save its checkpoint series."""
+    from .train import train
+
+    out = _writable_dir(args.out)
+    config = _train_config(args)
+    start = time.perf_counter()
+    train(config, out, progress=not args.quiet)
+    _say(args, f"checkpoints: {out} (steps {config.steps[0]}…{config.steps[-1]}, "
+               f"{time.perf_counter() - start:.0f} s)")  # fmt: skip
+    return 0
+
+
+_QUICK_STUDY = {"n_controls": 50, "n_permutations": 20, "n_sequences": 8, "reservoir": 256}
+
+
+def _study_config(args: argparse.Namespace, checkpoints: str) -> Any:
+    from .study import StudyConfig
+
+    chosen = {
+        "backend": args.backend,
+        "rank": tuple(args.rank) if args.rank and len(args.rank) > 1 else
+                (args.rank[0] if args.rank else None),
+        "n_controls": args.controls,
+        "window_fraction": args.window_fraction,
+        "n_sequences": args.sequences,
+        "corpus": args.corpus,
+        "seed": args.seed,
+    }  # fmt: skip
+    fields = StudyConfig.__dataclass_fields__
+    base = {k: v for k, v in _QUICK_STUDY.items() if k in fields} if args.quick else {}
+    base.update({k: v for k, v in chosen.items() if v is not None})
+    return StudyConfig(checkpoints=checkpoints, **base)
+
+
+def _run_study(args: argparse.Namespace, checkpoints: str, out: Path) -> Any:
+    from .study import Study
+
+    config = _study_config(args, checkpoints)
+    return Study(config).run(out, world_size=args.world_size, progress=not args.quiet)
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    """Run the training-dynamics study over a checkpoint series and write the report."""
+    from .report import format_summary, summary, write_report
+
+    out = _writable_dir(args.out)
+    checkpoints = args.checkpoints
+    if not Path(checkpoints).expanduser().exists() and not _HUB_ID.match(checkpoints):
+        raise FileNotFoundError(
+            f"--checkpoints {checkpoints} is neither an existing folder nor a hub id "
+            "'org/name'; pass the folder `tangentlens train` wrote"
+        )
+    start = time.perf_counter()
+    table = _run_study(args, checkpoints, out)
+    page = write_report(out, out / "report.html")
+    _say(args, f"\nreport: {page} ({time.perf_counter() - start:.0f} s)")
+    _say(args, format_summary(summary(table)))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Re-render report.html (and figures/) from a saved results folder."""
+    from .report import write_report
+
+    folder = Path(args.dir).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"{folder} is not a folder; pass the --out folder of `tangentlens study` or `probe`"
+        )
+    target = Path(args.out) if args.out else folder / "report.html"
+    _writable_dir(target.parent)
+    page = write_report(folder, target)
+    _say(args, f"report: {page}")
+    return 0
+
+
+def _heads(args: argparse.Namespace, checkpoints: Path, out: Path, table: Any) -> None:
+    """Attention-head probe of the last early-window and the final checkpoint (the
+    study itself has no per-head numbers); written to ``heads.csv``."""
+    import pandas as pd
+
+    from .checkpoints import CheckpointSeries, quiet_transformers
+    from .io import write_text
+    from .models import load
+    from .report import HEADS_FILE
+
+    series = CheckpointSeries.from_folder(checkpoints)
+    windows = table.drop_duplicates("step").set_index("step")["window"]
+    early = [s for s in series.steps if windows.get(s) == "early"]
+    chosen = sorted({early[-1] if early else series.steps[0], series.steps[-1]})
+    rank = int(pd.to_numeric(table["rank"], errors="coerce").min())
+    frames = []
+    for step in chosen:
+        with quiet_transformers():
+            loaded = load(str(series[series.index(step)].source), "transformer_lens")
+        seq_len = min(64, loaded.model.cfg.n_ctx)
+        blocks = _token_blocks(loaded.tokenizer, None, 16 * seq_len, seq_len)
+        results, _ = probe_checkpoint(
+            loaded.model, blocks, rank=rank, probes=("attention",), progress=not args.quiet
+        )
+        results = results.assign(
+            checkpoint=f"step{step}", step=step, window=windows.get(step), rank=rank
+        )
+        frames.append(results)
+    heads = pd.concat(frames, ignore_index=True)
+    write_text(out / HEADS_FILE, heads.to_csv(index=False))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Train the small model, run the study, probe the heads, write the report."""
+    from .report import format_summary, summary, write_report
+    from .train import train
+
+    out = _writable_dir(args.out)
+    start = time.perf_counter()
+    checkpoints = out / CHECKPOINTS_DIR
+    config = _train_config(args)
+    _say(args, f"[1/4] training the small model ({config.max_steps} steps) → {checkpoints}")
+    train(config, checkpoints, progress=not args.quiet)
+    _say(args, "[2/4] running the study over the checkpoints")
+    table = _run_study(args, str(checkpoints), out)
+    _say(args, "[3/4] probing attention heads (early window and final checkpoint)")
+    _heads(args, checkpoints, out, table)
+    _say(args, "[4/4] writing the report")
+    page = write_report(out, out / "report.html")
+    elapsed = time.perf_counter() - start
+    print(f"\ntangentlens demo finished in {elapsed:.0f} s", flush=True)
+    print(f"report:  {page}\nresults: {out / 'results.csv'}", flush=True)
+    print("\nheadline numbers (measured here vs the paper):", flush=True)
+    print(format_summary(summary(table)), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (no heavy imports)."""
+    parser = _Parser(
+        prog="tangentlens",
+        description="Tangent-subspace probes and anisotropy statistics for language models.",
+        epilog="Set TANGENTLENS_DEBUG=1 to see tracebacks instead of one-line errors.",
+    )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"tangentlens {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+    demo = sub.add_parser(
+        "demo", parents=[common], help="train, study and report, fully offline (≤ 5 min)",
+        description="Train the small model on the embedded corpus (King James Bible), run "
+        "the study over its checkpoints, probe the attention heads and write report.html.",
+    )  # fmt: skip
+    demo.add_argument("--out", default="tangentlens-demo", help="output folder (%(default)s)")
+    demo.add_argument("--quick", action="store_true", help="tiny configs (seconds; for tests)")
+    demo.set_defaults(func=cmd_demo, corpus=None, max_steps=None, seed=None, backend=None,
+                      rank=None, controls=None, window_fraction=None, sequences=None,
+                      world_size=1)  # fmt: skip
+
+    probe = sub.add_parser(
+        "probe", parents=[common], help="probe one checkpoint: bases, probes, figures",
+        description="Fit rank-k tangent bases at resid_pre and the attention input on half "
+        "the tokens, run the residual, attention and gradient probes on the other half, and "
+        "write results.csv/json, bases/, figures/ and report.html.",
+    )  # fmt: skip
+    probe.add_argument("--model", required=True,
+                       help="smollm2-135m, minilm-l6, a local HF folder or a hub id")  # fmt: skip
+    probe.add_argument("--backend", default="transformer_lens",
+                       choices=("transformer_lens", "nnsight"), help="(%(default)s)")  # fmt: skip
+    probe.add_argument("--text", help="text file or folder of .txt (default: King James Bible)")
+    probe.add_argument("--rank", type=_positive_int, default=16, help="rank k of Q_T (16)")
+    probe.add_argument("--layers", type=_layer, nargs="+", help="layers to probe (all)")
+    probe.add_argument("--tokens", type=_positive_int, default=2048,
+                       help="tokens probed; as many again fit the bases (%(default)s)")  # fmt: skip
+    probe.add_argument("--seq-len", type=_positive_int, default=128, help="(%(default)s)")
+    probe.add_argument("--batch-size", type=_positive_int, default=8, help="(%(default)s)")
+    probe.add_argument("--controls", type=_positive_int, default=1000,
+                       help="normal controls per test (%(default)s)")  # fmt: skip
+    probe.add_argument("--world-size", type=_positive_int, default=1,
+                       help="data-parallel processes (%(default)s)")  # fmt: skip
+    probe.add_argument("--out", required=True, help="output folder")
+    probe.set_defaults(func=cmd_probe)
+
+    train = sub.add_parser(
+        "train", parents=[common], help="train the small model, save checkpoints",
+        description="Train a small Llama-style LM with a Pythia-like checkpoint schedule; "
+        "a rerun with the same options resumes.",
+    )  # fmt: skip
+    train.add_argument("--out", required=True, help="output folder for step{N}/ checkpoints")
+    train.add_argument("--corpus", help="text file or folder of .txt (default: King James Bible)")
+    train.add_argument("--max-steps", type=_positive_int, help="training steps")
+    train.add_argument("--seed", type=int, help="random seed")
+    train.add_argument("--quick", action="store_true", help="a tiny model (seconds)")
+    train.set_defaults(func=cmd_train)
+
+    study = sub.add_parser(
+        "study", parents=[common], help="the training-dynamics study over checkpoints",
+        description="Fit Q_T on the early-window checkpoints, test gradients at every "
+        "checkpoint, measure embedding geometry, write results and report.html. A rerun "
+        "resumes.",
+    )  # fmt: skip
+    study.add_argument("--checkpoints", required=True,
+                       help="folder of step{N}/ checkpoints, or a hub id such as "
+                            "EleutherAI/pythia-70m")  # fmt: skip
+    study.add_argument("--out", required=True, help="output folder")
+    study.add_argument("--backend", choices=("transformer_lens", "nnsight"))
+    study.add_argument("--rank", type=_positive_int, nargs="+", help="rank(s) of Q_T (16)")
+    study.add_argument("--controls", type=_positive_int, help="normal controls (1000)")
+    study.add_argument("--window-fraction", type=_fraction, help="early/late window (0.3)")
+    study.add_argument("--sequences", type=_positive_int, help="probe-set sequences")
+    study.add_argument("--corpus", help="text file or folder of .txt (default: KJV)")
+    study.add_argument("--seed", type=int, help="random seed")
+    study.add_argument("--world-size", type=_positive_int, default=1,
+                       help="data-parallel processes (%(default)s)")  # fmt: skip
+    study.add_argument("--quick", action="store_true", help="few controls and tokens")
+    study.set_defaults(func=cmd_study)
+
+    report = sub.add_parser(
+        "report", parents=[common], help="re-render report.html from saved results",
+        description="Read results.csv (and manifest.json) from DIR and write report.html "
+        "and figures/.",
+    )  # fmt: skip
+    report.add_argument("dir", help="a results folder (the --out of study, probe or demo)")
+    report.add_argument("--out", help="the HTML file to write (DIR/report.html)")
+    report.set_defaults(func=cmd_report)
+    return parser
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text.rstrip(".")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"tangentlens {args.command}: interrupted; rerun to resume", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, ModuleNotFoundError) as err:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        print(f"tangentlens {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
