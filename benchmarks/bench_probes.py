@@ -1,6 +1,6 @@
 """Probe overhead benchmark (issue 3), all ratios measured in one run.
 
-    .venv/bin/python benchmarks/bench_probes.py [--quick] [--repeat N]
+    .venv/bin/python benchmarks/bench_probes.py [--quick] [--repeat N] [--threads T]
 
 Model: a TransformerLens native bridge, 4 layers, d_model 256, 8 heads, vocab 4096,
 random weights; batch 8 × 128 tokens; bases of rank 16 at resid_pre, resid_mid and
@@ -80,7 +80,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="d_model 128, 2 layers, 4 × 64")
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     d, n_layers, batch, pos = (128, 2, 4, 64) if args.quick else (256, 4, 8, 128)
     warnings.simplefilter("ignore", UserWarning)
     torch.manual_seed(0)
@@ -115,8 +118,7 @@ def main() -> None:
         with torch.no_grad(), probe(model, bases, ("attention",)):
             model(ids)
 
-    names = [k for k in resid]
-    grad_names = names
+    names = list(resid)
 
     def by_hand() -> None:
         model.zero_grad(set_to_none=True)
@@ -125,7 +127,7 @@ def main() -> None:
             q = resid[name].basis_.numpy()
             x = cache[name].detach().reshape(-1, d).numpy().astype(np.float64)
             _ = float(((x @ q) ** 2).sum() / (x**2).sum())
-        for name in grad_names:
+        for name in names:
             g = cache[name + "_grad"].detach().reshape(-1, d).numpy().astype(np.float64)
             _ = g.T @ g
 

@@ -7,8 +7,9 @@ matched-rank controls cost matrix algebra, not another pass:
 - from `energy_test`: ``tangent_share`` (gradient energy in Q_T), ``chance_share``,
   ``energy_ratio`` (tangent share over the mean share of normal controls),
   ``p_value`` (controls with at least that share, add-one), ``normalized_ratio``
-  (energy ratio divided by Q_T's own activation-energy ratio; needs the activation
-  Moments at the site);
+  (energy ratio divided by Q_T's own activation-energy ratio, from the activation
+  Moments collected at the site in the same session: the activations whose gradients
+  are tested);
 - from `isotropy_test`: ``delta_iso_tangent`` and ``delta_iso_normal`` (change of
   IsoScore* when Q_T, or a normal control, is projected out) and ``isotropy_p_value``.
 

@@ -225,7 +225,8 @@ class ProbeSession:
         in_scope = {s for s in in_scope if s.layer in self.layers or s.kind == "embed"}
         scoped = {s: b for s, b in bases.items() if s in in_scope}
 
-        self.residual = self.gradient = None
+        self.residual: ResidualProbe | None = None
+        self.gradient: GradientProbe | None = None
         self.activation: ActivationProbe | None = None
         self._attention: dict[Site, Any] = {}
         if "residual" in self.probes:
