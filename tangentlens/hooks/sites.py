@@ -19,6 +19,7 @@ __all__ = [
     "WRITE_KINDS",
     "NamesFilter",
     "Site",
+    "missing_site_error",
     "select_sites",
 ]
 
@@ -133,3 +134,17 @@ def select_sites(available: Iterable[Site], names_filter: NamesFilter = None) ->
         if site not in out:
             out.append(site)
     return out
+
+
+def missing_site_error(site: Site, available: Iterable[Site], n_layers: int) -> ValueError:
+    """The error for a site the model does not have, naming what it has."""
+    hint = (
+        " (parallel attention and MLP: no resid_mid; use resid_pre or resid_post)"
+        if site.kind == "resid_mid"
+        else ""
+    )
+    kinds = sorted({s.kind for s in available})
+    return ValueError(
+        f"site {site} does not exist on this model{hint}; it has layers 0..{n_layers - 1} "
+        f"with {kinds}. Drop that basis or refit."
+    )

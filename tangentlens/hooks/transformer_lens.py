@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import TensorFn
-from .sites import KINDS, Site
+from .sites import KINDS, Site, missing_site_error
 
 __all__ = ["TransformerLensBackend", "hook_counts"]
 
@@ -136,16 +136,7 @@ class TransformerLensBackend:
     def hook_point(self, site: Site) -> Any:
         site = site.without_head()
         if site not in self._points:
-            raise ValueError(
-                f"site {site} does not exist on this {type(self.model).__name__}"
-                + (
-                    " (parallel attention and MLP: no resid_mid; use resid_pre or resid_post)"
-                    if site.kind == "resid_mid"
-                    else ""
-                )
-                + f"; it has layers 0..{self.n_layers - 1} with "
-                f"{sorted({s.kind for s in self._points})}."
-            )
+            raise missing_site_error(site, self._points, self.n_layers)
         return self._points[site]
 
     # ------------------------------------------------------------------ hooks

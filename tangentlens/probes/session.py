@@ -28,7 +28,14 @@ import torch
 from torch import Tensor
 
 from ..hooks.base import Backend, Handle, get_backend
-from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, NamesFilter, Site, select_sites
+from ..hooks.sites import (
+    RESIDUAL_KINDS,
+    WRITE_KINDS,
+    NamesFilter,
+    Site,
+    missing_site_error,
+    select_sites,
+)
 from ..stats import Moments
 from ..subspace import TangentBasis
 from .activation import ActivationProbe
@@ -206,16 +213,7 @@ class ProbeSession:
         d = self.backend.d_model
         for site, basis in bases.items():
             if site not in available:
-                raise ValueError(
-                    f"site {site} does not exist on this model"
-                    + (
-                        " (parallel attention and MLP: no resid_mid; use resid_pre or resid_post)"
-                        if site.kind == "resid_mid"
-                        else ""
-                    )
-                    + f"; it has layers 0..{self.backend.n_layers - 1} with "
-                    f"{sorted({s.kind for s in available})}. Drop that basis or refit."
-                )
+                raise missing_site_error(site, available, self.backend.n_layers)
             if basis.d != d:
                 raise ValueError(
                     f"the basis for {site} has d={basis.d} but the model has d_model={d}; "
