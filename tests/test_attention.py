@@ -507,6 +507,41 @@ def test_accumulator_split_invariance_and_merge(arch: str) -> None:
                 torch.testing.assert_close(res[s], one[s], rtol=1e-12, atol=1e-14)
 
 
+def _all_reduce_worker(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        terms = torch.load(out + ".terms")
+        mask = torch.load(out + ".mask")
+        rows = slice(rank, None, world)  # rank 0: rows 0, 2; rank 1: rows 1, 3
+        acc = AttentionAccumulator(n_heads=4)
+        acc.update({t: v[rows] for t, v in terms.items()}, mask[rows], causal=False)
+        acc.all_reduce_()
+        torch.save(acc.state_dict(), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_accumulator_all_reduce(tmp_path: Path) -> None:
+    """Two gloo ranks holding different rows reduce to the one-pass statistics."""
+    import torch.multiprocessing as mp
+
+    terms, mask, _ = _terms("bert")
+    out = str(tmp_path / "acc")
+    torch.save(terms, out + ".terms")
+    torch.save(mask, out + ".mask")
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_all_reduce_worker, args=(2, init, out), nprocs=2, join=True)
+    one = AttentionAccumulator().update(terms, mask, causal=False)
+    for rank in range(2):
+        reduced = AttentionAccumulator().load_state_dict(torch.load(f"{out}.{rank}"))
+        assert (reduced.rows, reduced.entries) == (one.rows, one.entries)
+        for s, v in one.results().items():
+            torch.testing.assert_close(reduced.results()[s], v, rtol=1e-12, atol=1e-14)
+    assert AttentionAccumulator().all_reduce_().n_heads is None  # no process group: no-op
+
+
 def test_accumulator_independent_of_model_batching() -> None:
     model = bridge("bert")
     tokens, mask = batch("bert", n=4, seed=7)

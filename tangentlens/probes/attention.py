@@ -641,11 +641,17 @@ class AttentionAccumulator:
     same answer as one pass.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, n_heads: int | None = None, device: torch.device | str | None = None
+    ) -> None:
         self._energy: Tensor | None = None  # (5, n_heads)
         self._kl: Tensor | None = None  # (n_heads,)
         self._rows = 0
         self._entries = 0
+        if n_heads is not None:
+            if n_heads < 1:
+                raise ValueError(f"n_heads must be a positive int; got {n_heads}.")
+            self._init(n_heads, torch.device(device or "cpu"))
 
     @property
     def n_heads(self) -> int | None:
@@ -715,6 +721,30 @@ class AttentionAccumulator:
         self._kl += other._kl.to(self._kl.device)
         self._rows += other._rows
         self._entries += other._entries
+        return self
+
+    def all_reduce_(self, group: object | None = None) -> AttentionAccumulator:
+        """Sum these statistics over all ranks of ``torch.distributed`` in place.
+
+        A no-op when torch.distributed is not initialised. Every rank needs n_heads:
+        update first, or construct with ``AttentionAccumulator(n_heads=...)``.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        if self._energy is None:
+            raise ValueError(
+                "all_reduce_ needs n_heads on every rank: update before reducing or "
+                "construct AttentionAccumulator(n_heads=...)."
+            )
+        counts = torch.tensor([self._rows, self._entries], dtype=torch.float64)
+        flat = torch.cat([self._energy.flatten(), self._kl, counts.to(self._kl.device)])
+        dist.all_reduce(flat, group=group)
+        n = self._energy.numel()
+        self._energy = flat[:n].reshape(self._energy.shape).clone()
+        self._kl = flat[n : n + self._kl.numel()].clone()
+        self._rows, self._entries = (int(v) for v in flat[-2:].tolist())
         return self
 
     def results(self) -> dict[str, Tensor]:
