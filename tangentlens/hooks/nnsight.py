@@ -381,6 +381,17 @@ def get_backend(model: Any) -> NNsightBackend:
 
 
 # ---------------------------------------------------------------- remote-ready statistics
+def _ship_by_value() -> None:
+    """Have nnsight serialize ``tangentlens.hooks`` code by value: an NDIF server does not
+    have tangentlens installed, so :func:`trace_moments` travels with the request."""
+    from nnsight import register
+
+    register("tangentlens.hooks")
+
+
+_ship_by_value()
+
+
 def _envoy_at(root: Any, path: str) -> Any:
     """The envoy of the module at ``path`` below ``root``: nnsight moves a submodule named
     like one of its own attributes (BERT's ``output``) to ``E_<name>``."""
