@@ -211,9 +211,6 @@ def rel_err(a: Tensor, b: Tensor) -> float:
     return diff / max(float(b.double().abs().max()), 1e-300) if diff else 0.0
 
 
-MEASURED: dict[str, dict[str, float]] = {}
-
-
 # ----------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_terms_sum_to_model_scores(arch: str) -> None:
@@ -263,7 +260,6 @@ def test_terms_sum_to_model_scores(arch: str) -> None:
     else:
         assert site == f"blocks.{LAYER}.ln1.hook_out"
         torch.testing.assert_close(got[site], got[a + "hook_in"], rtol=0, atol=0)
-    MEASURED[arch] = errors
     print(f"{arch}: {errors}")
 
 

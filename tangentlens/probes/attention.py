@@ -585,7 +585,7 @@ def score_terms(
         raise ValueError(f"site must be 'attn_in' or 'resid_pre'; got {site!r}.")
     params = params_from_bridge(model, layer)
     norm = norm_from_bridge(model, layer) if site == "resid_pre" else None
-    hook_name = f"blocks.{layer}.hook_resid_pre" if norm else f"blocks.{layer}.attn.hook_in"
+    hook_name = f"blocks.{layer}.{'hook_resid_pre' if norm is not None else 'attn.hook_in'}"
     captured: dict[str, Tensor] = {}
 
     def capture(x: Tensor, hook: Any) -> None:
