@@ -77,7 +77,7 @@ class TrainConfig:
     eval_blocks: int = 32
     seed: int = 0
     num_threads: int = 1  # torch threads while training; results are exact for a fixed value
-    tie_embeddings: bool = False
+    tie_embeddings: bool = True  # as SmolLM2 and Gemma-3, the models it is compared with
 
     def __post_init__(self) -> None:
         self.betas = (float(self.betas[0]), float(self.betas[1]))
