@@ -377,7 +377,8 @@ def _params_from_hf(module: nn.Module, rotary_emb: nn.Module | None) -> Attentio
         w_k = w[:, n * e : 2 * n * e].reshape(d, n, e).permute(1, 0, 2)
         b_q, b_k = b[: n * e].reshape(n, e), b[n * e : 2 * n * e].reshape(n, e)
         return AttentionParams(w_q, w_k, b_q, b_k, float(module.scaling), None, True)
-    if hasattr(module, "query_key_value"):  # GPT-NeoX: rows (head, [q|k|v], e)
+    if hasattr(module, "query_key_value") and hasattr(module, "rotary_ndims"):  # GPT-NeoX
+        # fused rows are laid out (head, [q|k|v], d_head)
         n, e = int(module.config.num_attention_heads), int(module.head_size)
         lin = module.query_key_value
         w = lin.weight.reshape(n, 3, e, -1)
@@ -499,9 +500,12 @@ def params_from_bridge(model: Any, layer: int) -> AttentionParams:
     from transformer_lens.model_bridge.sources.native.model import NativeAttention
 
     attn = _tl_attention(model, layer)
-    orig = attn.original_component
+    orig = getattr(attn, "original_component", None)
     if orig is None:
-        raise ValueError(f"blocks.{layer}.attn wraps no module; is the bridge set up?")
+        raise ValueError(
+            f"blocks.{layer}.attn wraps no module: params_from_bridge needs a TransformerLens "
+            "4.x TransformerBridge (boot_transformers / boot_native)."
+        )
     w_q, w_k, b_q, b_k = (
         None if t is None else t.detach() for t in (attn.W_Q, attn.W_K, attn.b_Q, attn.b_K)
     )
