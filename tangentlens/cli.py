@@ -83,11 +83,6 @@ def _writable_dir(path: str | Path) -> Path:
     return out
 
 
-def _say(args: argparse.Namespace, text: str) -> None:
-    if not args.quiet:
-        print(text, flush=True)
-
-
 def _save_table(table: Any, out: Path, name: str = "results") -> None:
     from .io import write_text
 
@@ -145,7 +140,7 @@ def probe_checkpoint(
 
         results = run_probe(
             model_factory, probe_set, bases, probes, world_size=world_size,
-            layers=layers, n_controls=n_controls,
+            layers=layers, n_controls=n_controls, progress=progress,
         )  # fmt: skip
     else:
         session = run(
@@ -170,19 +165,21 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
     import tangentlens
 
+    from .checkpoints import quiet_transformers
     from .io import write_json
     from .models import load
     from .report import format_summary, summary, write_report
 
     out = _writable_dir(args.out)
     start = time.perf_counter()
-    _say(args, f"loading {args.model} ({args.backend}) …")
-    loaded = load(args.model, args.backend)
+    print(f"loading {args.model} ({args.backend}) …", flush=True)
+    with quiet_transformers():
+        loaded = load(args.model, args.backend)
     probes = ["residual", "attention"]
     if loaded.causal:
         probes.append("gradient")
     else:
-        _say(args, "encoder: no next-token loss, so the gradient probe is skipped")
+        print("encoder: no next-token loss, so the gradient probe is skipped", flush=True)
     blocks = _token_blocks(loaded.tokenizer, args.text, args.tokens, args.seq_len)
     results, bases = probe_checkpoint(
         loaded.model,
@@ -213,8 +210,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
     }
     write_json(out / "manifest.json", manifest)
     page = write_report(results, out / "report.html", manifest=manifest, title=f"{args.model}")
-    _say(args, f"\nreport: {page}\ntables: {out / 'results.csv'}, bases: {out / 'bases'}")
-    _say(args, format_summary(summary(results)))
+    print(f"\nreport: {page}\ntables: {out / 'results.csv'}, bases: {out / 'bases'}", flush=True)
+    print(format_summary(summary(results)), flush=True)
     return 0
 
 
@@ -241,29 +238,44 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _train_config(args)
     start = time.perf_counter()
     train(config, out, progress=not args.quiet)
-    _say(args, f"checkpoints: {out} (steps {config.steps[0]}…{config.steps[-1]}, "
-               f"{time.perf_counter() - start:.0f} s)")  # fmt: skip
+    elapsed = time.perf_counter() - start
+    steps = config.steps
+    print(f"checkpoints: {out} (steps {steps[0]}…{steps[-1]}, {elapsed:.0f} s)", flush=True)
     return 0
 
 
 _QUICK_STUDY = {"n_controls": 50, "n_permutations": 20, "n_sequences": 8, "reservoir": 256}
 
 
+def _trained_with(checkpoints: str) -> dict[str, Any]:
+    """Corpus settings of a `tangentlens train` folder, so the study's probe set is the
+    trainer's held-out split and fits the model's context (empty for other series)."""
+    import json
+
+    path = Path(checkpoints).expanduser() / "train_config.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    keys = ("corpus", "max_chars", "seq_len", "probe_fraction", "seed")
+    return {k: saved[k] for k in keys if k in saved}
+
+
 def _study_config(args: argparse.Namespace, checkpoints: str) -> Any:
     from .study import StudyConfig
 
+    ranks = args.rank or []
     chosen = {
         "backend": args.backend,
-        "rank": tuple(args.rank) if args.rank and len(args.rank) > 1 else
-                (args.rank[0] if args.rank else None),
+        "rank": tuple(ranks) if len(ranks) > 1 else (ranks[0] if ranks else None),
         "n_controls": args.controls,
         "window_fraction": args.window_fraction,
         "n_sequences": args.sequences,
         "corpus": args.corpus,
         "seed": args.seed,
-    }  # fmt: skip
-    fields = StudyConfig.__dataclass_fields__
-    base = {k: v for k, v in _QUICK_STUDY.items() if k in fields} if args.quick else {}
+    }
+    base = dict(_QUICK_STUDY) if args.quick else {}
+    base.update(_trained_with(checkpoints))
     base.update({k: v for k, v in chosen.items() if v is not None})
     return StudyConfig(checkpoints=checkpoints, **base)
 
@@ -289,8 +301,8 @@ def cmd_study(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     table = _run_study(args, checkpoints, out)
     page = write_report(out, out / "report.html")
-    _say(args, f"\nreport: {page} ({time.perf_counter() - start:.0f} s)")
-    _say(args, format_summary(summary(table)))
+    print(f"\nreport: {page} ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(format_summary(summary(table)), flush=True)
     return 0
 
 
@@ -306,7 +318,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     target = Path(args.out) if args.out else folder / "report.html"
     _writable_dir(target.parent)
     page = write_report(folder, target)
-    _say(args, f"report: {page}")
+    print(f"report: {page}", flush=True)
     return 0
 
 
@@ -351,13 +363,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     checkpoints = out / CHECKPOINTS_DIR
     config = _train_config(args)
-    _say(args, f"[1/4] training the small model ({config.max_steps} steps) → {checkpoints}")
+    print(f"[1/4] training the small model ({config.max_steps} steps) → {checkpoints}", flush=True)
     train(config, checkpoints, progress=not args.quiet)
-    _say(args, "[2/4] running the study over the checkpoints")
+    print("[2/4] running the study over the checkpoints", flush=True)
     table = _run_study(args, str(checkpoints), out)
-    _say(args, "[3/4] probing attention heads (early window and final checkpoint)")
+    print("[3/4] probing attention heads (early window and final checkpoint)", flush=True)
     _heads(args, checkpoints, out, table)
-    _say(args, "[4/4] writing the report")
+    print("[4/4] writing the report", flush=True)
     page = write_report(out, out / "report.html")
     elapsed = time.perf_counter() - start
     print(f"\ntangentlens demo finished in {elapsed:.0f} s", flush=True)
@@ -477,12 +489,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        print(f"tangentlens {args.command}: interrupted; rerun to resume", file=sys.stderr)
+        print(
+            f"tangentlens {args.command}: interrupted; rerun to resume", file=sys.stderr, flush=True
+        )
         return 130
     except (ValueError, OSError, ModuleNotFoundError) as err:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
-        print(f"tangentlens {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        print(f"tangentlens {args.command}: error: {_one_line(err)}", file=sys.stderr, flush=True)
         return EXIT_USAGE
 
 

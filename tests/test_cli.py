@@ -1,0 +1,155 @@
+"""The `tangentlens` command: help on every command, fast start without torch, one-line
+errors with exit code 2 for a person's mistakes, and the commands end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from models import hf_folder
+
+from tangentlens.cli import main
+
+COMMANDS = ("demo", "probe", "train", "study", "report")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+ENV.pop("TANGENTLENS_DEBUG", None)
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_on_every_command(command: str | None, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"] if command is None else [command, "--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: tangentlens")
+    if command is None:
+        assert all(c in text for c in COMMANDS)
+
+
+def test_help_is_fast_and_does_not_import_torch() -> None:
+    code = (
+        "import sys\nfrom tangentlens.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'transformers') "
+        "if m in sys.modules))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
+    assert run.returncode == 0 and run.stdout.strip().endswith("[]"), run.stdout + run.stderr
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "tangentlens", "--help"], capture_output=True,
+                         text=True, env=ENV)  # fmt: skip
+    elapsed = time.perf_counter() - start
+    assert run.returncode == 0 and "demo" in run.stdout
+    assert elapsed < 3.0  # ~0.1 s idle; generous for a loaded shared machine
+
+
+def _error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    """Run the CLI in-process; assert exit 2 and exactly one stderr line, return it."""
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse
+        code = stop.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("tangentlens")
+    return lines[0]
+
+
+@pytest.fixture
+def not_a_dir(tmp_path: Path) -> Path:
+    """An output path below a plain file: unwritable even as root."""
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    return blocker / "out"
+
+
+def test_bad_input_gives_one_line_and_exit_2(
+    tmp_path: Path, not_a_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("TANGENTLENS_DEBUG", raising=False)
+    out = str(tmp_path / "out")
+    tiny = str(hf_folder("llama"))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "results.csv").write_bytes(b"\x00\xff garbage \xfe")
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    capsys.readouterr()  # building the tiny model prints progress
+    cases = {
+        "report of a missing folder": (["report", str(tmp_path / "missing")], "not a folder"),
+        "corrupt results file": (["report", str(corrupt)], "corrupt"),
+        "unknown model": (["probe", "--model", "no-such-model", "--out", out], "Known names"),
+        "rank zero": (["probe", "--model", tiny, "--rank", "0", "--out", out], "positive"),
+        "rank above d_model": (
+            ["probe", "--model", tiny, "--rank", "64", "--out", out, "-q"], "d_model=32"),
+        "unwritable output": (["probe", "--model", tiny, "--out", str(not_a_dir)], "writable"),
+        "hub id while offline": (
+            ["probe", "--model", "no-org/no-model", "--out", out], "HF_HUB_OFFLINE"),
+        "folder that is no model": (["probe", "--model", str(no_config), "--out", out],
+                                    "config.json"),
+        "missing checkpoints": (
+            ["study", "--checkpoints", str(tmp_path / "none"), "--out", out], "folder"),
+        "layer out of range": (
+            ["probe", "--model", tiny, "--layers", "7", "--out", out, "-q", "--tokens", "64",
+             "--seq-len", "16"], "layers"),
+        "window fraction": (["study", "--checkpoints", tiny, "--out", out,
+                             "--window-fraction", "0.9"], "fraction"),
+        "train into a file": (["train", "--quick", "--out", str(not_a_dir)], "writable"),
+    }  # fmt: skip
+    for name, (argv, needle) in cases.items():
+        line = _error(argv, capsys)
+        assert needle in line, f"{name}: {line}"
+
+
+def test_errors_in_a_real_process_and_the_debug_switch(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "tangentlens", "report", str(tmp_path / "missing")]
+    run = subprocess.run(argv, capture_output=True, text=True, env=ENV)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    debug = subprocess.run(argv, capture_output=True, text=True,
+                           env={**ENV, "TANGENTLENS_DEBUG": "1"})  # fmt: skip
+    assert (
+        debug.returncode == 1
+        and "Traceback" in debug.stderr
+        and "FileNotFoundError" in (debug.stderr)
+    )
+
+
+def test_probe_on_a_tiny_local_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "probe"
+    code = main(["probe", "--model", str(hf_folder("llama")), "--out", str(out), "--rank", "4",
+                 "--tokens", "256", "--seq-len", "32", "--controls", "50", "-q"])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "report:" in printed and "energy ratio" in printed
+    results = pd.read_csv(out / "results.csv")
+    assert {"residual", "attention", "gradient"} <= set(results["probe"])
+    assert (out / "results.json").is_file() and (out / "bases" / "rank4.safetensors").is_file()
+    figures = {p.stem for p in (out / "figures").glob("*.png")}
+    assert {"depth_profile", "head_heatmap"} <= figures
+    assert 'id="head_heatmap"' in (out / "report.html").read_text()
+
+
+def test_train_study_report_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("tangentlens.study")
+    ckpt, study = tmp_path / "ckpt", tmp_path / "study"
+    assert main(["train", "--quick", "--out", str(ckpt), "-q"]) == 0
+    assert sorted(p.name for p in ckpt.glob("step*"))[:2] == ["step0", "step1"]
+    assert main(["study", "--quick", "--checkpoints", str(ckpt), "--out", str(study), "--rank",
+                 "4", "-q"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "paper:" in printed
+    first = (study / "report.html").read_text()
+    (study / "report.html").unlink()
+    assert main(["report", str(study), "-q"]) == 0
+    again = (study / "report.html").read_text()
+    assert again.count("data:image/png;base64,") == first.count("data:image/png;base64,") >= 4
+    assert (study / "figures" / "energy_over_training.png").is_file()

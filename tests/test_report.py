@@ -1,0 +1,215 @@
+"""Report: figures from long results tables, summary claims, the self-contained HTML,
+and its rendering in headless Chromium."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.figure import Figure
+
+from tangentlens import report
+
+STUDY_COLUMNS = [
+    "checkpoint", "step", "window", "rank", "layer", "head", "site", "probe", "statistic",
+    "value", "ci_low", "ci_high",
+]  # fmt: skip
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def synthetic_results(
+    n_layers: int = 3, n_heads: int = 4, steps: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 24)
+) -> pd.DataFrame:
+    """A study-shaped table (docs/CONTRACTS.md) with planted trends: the energy ratio
+    falls over training, removing Q_T beats a control, the weighted centre is negative."""
+    rng = np.random.default_rng(0)
+    n, k = len(steps), max(2, round(0.3 * len(steps)))
+    rows: list[dict] = []
+    for i, step in enumerate(steps):
+        window = "early" if i < k else ("late" if i >= n - k else "middle")
+        decay = 1.0 / (1 + i)
+
+        def add(probe, site, layer, statistic, value, head=pd.NA, rank=4, step=step, w=window):
+            rows.append({"checkpoint": f"step{step}", "step": step, "window": w,
+                         "rank": rank, "layer": layer, "head": head, "site": site,
+                         "probe": probe, "statistic": statistic, "value": value})  # fmt: skip
+
+        for layer in range(n_layers):
+            for probe, stat, v in [
+                ("residual", "tangent_share", 0.3 + 0.05 * layer),
+                ("residual", "chance_share", 0.125),
+                ("gradient", "tangent_share", 0.2),
+                ("gradient", "energy_ratio", 1 + 2 * decay + 0.1 * layer),
+                ("gradient", "p_value", 0.001 + 0.2 * (1 - decay)),
+                ("gradient", "delta_iso_tangent", 0.05 + 0.1 * decay),
+                ("gradient", "delta_iso_normal", 0.01),
+                ("gradient", "isotropy_p_value", 0.01),
+            ]:
+                add(probe, "resid_pre", layer, stat, v + 0.002 * rng.standard_normal())
+            add("activation", "resid_pre", layer, "twonn_dimension", 5 + i + layer, rank=pd.NA)
+            add("activation", "resid_pre", layer, "effective_rank", 10 + 2 * i, rank=pd.NA)
+            for head in range(n_heads):
+                add("attention", "attn_in", layer, "score_share_TT", rng.uniform(0.1, 0.6), head)
+        embed = {"mean_all": 0.3, "mean_seen": 0.2, "weighted": -0.3 - 0.02 * i, "norm": -0.2}
+        embed |= {"weighted_null_mean": -0.2, "weighted_null_std": 0.03, "weighted_p_value": 0.01}
+        for name, v in embed.items():
+            for kind in ("pearson", "spearman"):
+                add("embedding", "embed", 0, f"{kind}_{name}", v, rank=pd.NA)
+        add("checkpoint", pd.NA, pd.NA, "probe_loss", 6 - 0.3 * i, rank=pd.NA)
+    table = pd.DataFrame(rows).reindex(columns=STUDY_COLUMNS)
+    return table.astype({"rank": "Int64", "layer": "Int64", "head": "Int64"})
+
+
+def one_checkpoint(table: pd.DataFrame) -> pd.DataFrame:
+    """A probe-shaped table: the last step, without the study's columns."""
+    last = table[table["step"] == table["step"].max()]
+    return last.drop(columns=["checkpoint", "step", "window", "rank", "ci_low", "ci_high"])
+
+
+PLOTS = {
+    "depth_profile": report.plot_depth_profile,
+    "head_heatmap": report.plot_head_heatmap,
+    "energy_over_training": report.plot_energy_over_training,
+    "isotropy_removal": report.plot_isotropy_removal,
+    "frequency_distance": report.plot_frequency_distance,
+    "intrinsic_dimension": report.plot_intrinsic_dimension,
+}
+
+
+@pytest.mark.parametrize("name", list(PLOTS))
+def test_each_plot_returns_a_labelled_figure(name: str) -> None:
+    fig = PLOTS[name](synthetic_results())
+    assert isinstance(fig, Figure)
+    axes = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    assert all(ax.get_title() or fig._suptitle for ax in axes)
+    assert all(ax.get_xlabel() for ax in axes)
+
+
+@pytest.mark.parametrize("name", list(PLOTS))
+def test_plots_without_their_data_are_skipped(name: str) -> None:
+    unrelated = synthetic_results()
+    unrelated = unrelated[unrelated["statistic"] == "probe_loss"]
+    assert PLOTS[name](unrelated) is None
+
+
+def test_one_checkpoint_has_no_training_curve() -> None:
+    table = one_checkpoint(synthetic_results())
+    assert report.plot_energy_over_training(table) is None
+    made = [f.name for f in report.render_figures(table)]
+    assert made == [n for n in PLOTS if n != "energy_over_training"]
+
+
+def test_rank_sweep_plots_the_smallest_rank() -> None:
+    table = synthetic_results()
+    other = table[table["rank"] == 4].assign(rank=8, value=99.0)
+    claims = report.summary(pd.concat([table, other]))
+    assert claims == report.summary(table)
+
+
+def test_summary_puts_the_paper_next_to_measured_numbers() -> None:
+    claims = {c.quantity: c for c in report.summary(synthetic_results())}
+    early = claims["Gradient energy ratio, early window (mean over layers)"]
+    late = claims["Gradient energy ratio, late window"]
+    assert early.paper == report.PAPER["energy_early"] and early.agrees == "yes"
+    assert late.agrees == "yes"  # planted: weaker late
+    iso = claims["ΔIsoScore*: remove Q_T vs a normal control (mean)"]
+    assert iso.agrees == "yes" and iso.measured.startswith("+0.0")
+    freq = claims["Frequency vs distance, Pearson r (last step)"]
+    assert freq.agrees == "partly"  # strongly negative for the weighted centre only
+    text = report.format_summary(list(claims.values()))
+    assert "paper:" in text and "× chance" in text
+
+
+def test_summary_reports_disagreement_honestly() -> None:
+    table = synthetic_results()
+    ratio = table["statistic"] == "energy_ratio"
+    table.loc[ratio, "value"] = np.where(table.loc[ratio, "window"] == "late", 3.0, 0.9)
+    claims = {c.quantity: c for c in report.summary(table)}
+    assert claims["Gradient energy ratio, early window (mean over layers)"].agrees == "no"
+    assert claims["Gradient energy ratio, late window"].agrees == "no"
+
+
+def _check_html(page: Path, n_figures: int) -> str:
+    text = page.read_text(encoding="utf-8")
+    assert text.startswith("<!DOCTYPE html>")
+    assert len(re.findall(r'<img src="data:image/png;base64,', text)) == n_figures
+    assert not re.search(r'(src|href)="(https?:)?//', text)  # nothing from the network
+    assert "<script" not in text and "<link" not in text
+    order = [text.index(h) for h in ("Summary", "Figures", "Configuration", "Provenance")]
+    assert order == sorted(order)
+    return text
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One report from the synthetic table (rendering is the slow part; shared)."""
+    return report.write_report(
+        synthetic_results(), tmp_path_factory.mktemp("report") / "report.html",
+        config={"rank": 4}, manifest={"tangentlens_version": "0.1.0", "weights": {"0": "ab12"}},
+    )  # fmt: skip
+
+
+def test_write_report_from_a_table(written: Path) -> None:
+    tmp_path = written.parent
+    text = _check_html(written, len(PLOTS))
+    assert report.PAPER["isotropy"] in text and "ab12" in text and "&quot;rank&quot;: 4" in text
+    assert sorted(p.stem for p in (tmp_path / "figures").glob("*.png")) == sorted(PLOTS)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_write_report_from_a_folder(tmp_path: Path) -> None:
+    table = synthetic_results()
+    table[table["probe"] == "residual"].to_csv(tmp_path / "results.csv", index=False)
+    table[table["probe"] == "attention"].to_csv(tmp_path / report.HEADS_FILE, index=False)
+    (tmp_path / "manifest.json").write_text('{"config": {"n_controls": 50}, "steps": [0]}')
+    page = report.write_report(tmp_path, tmp_path)
+    assert page == tmp_path / "report.html"
+    text = _check_html(page, 2)  # depth profile and heads: the table has nothing else
+    assert "n_controls" in text and 'id="head_heatmap"' in text
+    assert (
+        len(report.load_results(tmp_path)) == (table["probe"].isin(["residual", "attention"])).sum()
+    )
+
+
+def test_load_results_errors_name_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="tangentlens study"):
+        report.load_results(tmp_path)
+    (tmp_path / "results.csv").write_text("garbage\x00,\n1,2,3\n")
+    with pytest.raises(ValueError, match="re-create it"):
+        report.load_results(tmp_path)
+    (tmp_path / "results.csv").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match="re-create it"):
+        report.load_results(tmp_path)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (setup.sh --dev)")
+def test_report_renders_in_headless_chromium(written: Path, tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    page = written
+    shot = tmp_path / "shot.png"
+    flags = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+    ]  # fmt: skip
+    url = page.resolve().as_uri()
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert len(re.findall(r'<img src="data:image/png;base64,', dom.stdout)) == len(PLOTS)
+    run = subprocess.run(
+        [*flags, f"--screenshot={shot}", "--window-size=1200,3000", url],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0 and shot.is_file(), run.stderr[-2000:]
+    pixels = imread(shot)
+    assert pixels.shape[:2] == (3000, 1200)
+    rgb = pixels[..., :3].reshape(-1, 3)
+    assert rgb.std() > 0.05  # not blank
+    # figures bring colour: Okabe-Ito blue or the cividis heatmap, not only black text
+    assert (np.abs(rgb[:, 0] - rgb[:, 2]) > 0.2).mean() > 0.01
