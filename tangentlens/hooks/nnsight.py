@@ -15,6 +15,8 @@ models. Two ways in:
   order and ``.save()``\\ s only each site's count, mean and centred scatter (float64,
   the ``Moments`` state). A ``remote=True`` (NDIF) run therefore transmits O(d²) per
   site, never activations; merge batches on the client with ``Moments.merge``.
+  Importing this module registers ``tangentlens.hooks`` with ``nnsight.register``, so
+  that code ships by value (an NDIF server has no tangentlens installed).
 
 Site → HF module (``in`` = the module's first input, ``out`` = its first output), matching
 TransformerLens 4.x bridges of the same weights:
@@ -39,6 +41,7 @@ exactly as on the TransformerLens BERT bridge.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -208,12 +211,17 @@ class _Handle:
 
     def __init__(self, module_handle: Any) -> None:
         self._module_handle: Any = module_handle
-        self._tensor_handles: list[Any] = []
+        self._tensor_hooks: list[tuple[weakref.ref, Any]] = []
+
+    def add_tensor_hook(self, tensor: Tensor, fn: Callable[[Tensor], None]) -> None:
+        # Forget hooks of tensors already freed, so a long session holds O(sites) handles.
+        self._tensor_hooks = [(ref, h) for ref, h in self._tensor_hooks if ref() is not None]
+        self._tensor_hooks.append((weakref.ref(tensor), tensor.register_hook(fn)))
 
     def remove(self) -> None:
-        for handle in self._tensor_handles:
+        for _, handle in self._tensor_hooks:
             handle.remove()
-        self._tensor_handles.clear()
+        self._tensor_hooks.clear()
         if self._module_handle is not None:
             self._module_handle.remove()
             self._module_handle = None
@@ -292,13 +300,12 @@ class NNsightBackend:
         forward pass produces it (only when it requires grad)."""
         handle: _Handle
 
+        def observe(grad: Tensor) -> None:
+            fn(grad)
+
         def register(x: Tensor) -> None:
             if x.requires_grad:
-
-                def observe(grad: Tensor) -> None:
-                    fn(grad)
-
-                handle._tensor_handles.append(x.register_hook(observe))
+                handle.add_tensor_hook(x, observe)
 
         handle = self._hook(site, register, prepend=False)
         return handle
