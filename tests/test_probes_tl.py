@@ -328,3 +328,5 @@ def test_depth_profile_onset_amplification_and_plot(fitted: dict) -> None:
     assert real.to_frame()[["tangent_share", "energy_ratio", "mlp_write_ratio"]].notna().all().all()
     with pytest.raises(ValueError, match="no residual share_ratio"):
         DepthProfile(session.results(), site="embed")
+    with pytest.raises(ValueError, match="filter them to one first"):
+        DepthProfile(pd.concat([session.results(), session.results()]))

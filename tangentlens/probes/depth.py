@@ -63,7 +63,12 @@ class DepthProfile:
                 & (results["statistic"] == stat)
                 & ((probe == probe_name) | (probe == ""))
             ]
-            return rows.groupby("layer")["value"].mean()
+            if rows["layer"].duplicated().any():
+                raise ValueError(
+                    f"results hold several {stat!r} rows per layer at {kind!r} (several "
+                    "checkpoints or runs?); filter them to one first."
+                )
+            return rows.set_index("layer")["value"]
 
         table = pd.DataFrame(
             {

@@ -13,7 +13,8 @@ the hooks added, so an exception or a KeyboardInterrupt leaves the model as it w
 Padding: the session reads the ``attention_mask`` the model is called with (any call:
 ``model(...)``, ``run_with_hooks``, ``run_with_cache``) and drops padded positions from
 every statistic. Gradients are paired with the mask of their own forward pass (the
-most recent one that has not been backpropagated yet).
+most recent one that has not been backpropagated yet). Run the backward pass inside
+the block: gradients arriving after it closes are not seen.
 """
 
 from __future__ import annotations
@@ -565,11 +566,11 @@ def fit_bases(
     if (rank is None) == (variance is None):
         raise ValueError("pass exactly one of rank= (an int) or variance= (a fraction in (0, 1]).")
     backend = get_backend(model)
-    if sites is None:
 
-        def sites(name: str) -> bool:
-            return Site.from_hook_name(name).kind in (*RESIDUAL_KINDS, "attn_in")
+    def default_sites(name: str) -> bool:
+        return Site.from_hook_name(name).kind in (*RESIDUAL_KINDS, "attn_in")
 
+    sites = default_sites if sites is None else sites
     session = run(
         model, batches, None, ("activation",), layers=layers, sites=sites, progress=progress
     )
