@@ -63,8 +63,8 @@ class TrainConfig:
     d_mlp: int = 384
     seq_len: int = 64
     batch_size: int = 8
-    max_steps: int = 384
-    last_log_step: int = 256
+    max_steps: int = 256
+    last_log_step: int = 128
     checkpoint_every: int = 64
     lr: float = 3e-3
     warmup_steps: int = 32
