@@ -138,18 +138,26 @@ def test_probe_on_a_tiny_local_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert 'id="head_heatmap"' in (out / "report.html").read_text()
 
 
-def test_train_study_report_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`demo --quick` end to end; then `train`, `study` and `report` on its folders (train and
+    study resume: same configuration, nothing is redone) and the re-rendered report."""
     pytest.importorskip("tangentlens.study")
-    ckpt, study = tmp_path / "ckpt", tmp_path / "study"
-    assert main(["train", "--quick", "--out", str(ckpt), "-q"]) == 0
-    assert sorted(p.name for p in ckpt.glob("step*"))[:2] == ["step0", "step1"]
-    assert main(["study", "--quick", "--checkpoints", str(ckpt), "--out", str(study), "--rank",
-                 "4", "-q"]) == 0  # fmt: skip
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out), "-q"]) == 0
     printed = capsys.readouterr().out
-    assert "paper:" in printed
-    first = (study / "report.html").read_text()
-    (study / "report.html").unlink()
-    assert main(["report", str(study), "-q"]) == 0
-    again = (study / "report.html").read_text()
-    assert again.count("data:image/png;base64,") == first.count("data:image/png;base64,") >= 4
-    assert (study / "figures" / "energy_over_training.png").is_file()
+    assert "report:" in printed and "paper:" in printed and "agrees:" in printed
+    steps = sorted(int(p.name[4:]) for p in (out / "checkpoints").glob("step*"))
+    assert steps == [0, 1, 2, 4, 8]
+    first = (out / "report.html").read_text()
+    assert first.count("data:image/png;base64,") == 6  # all figures, heads included
+    assert (out / "heads.csv").is_file()
+
+    ckpt = str(out / "checkpoints")
+    assert main(["train", "--quick", "--out", ckpt, "-q"]) == 0
+    assert main(["study", "--quick", "--checkpoints", ckpt, "--out", str(out), "-q"]) == 0
+    assert "paper:" in capsys.readouterr().out
+    (out / "report.html").unlink()
+    assert main(["report", str(out), "-q"]) == 0
+    again = (out / "report.html").read_text()
+    assert again.count("data:image/png;base64,") == 6
+    assert (out / "figures" / "energy_over_training.png").is_file()
