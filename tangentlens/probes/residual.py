@@ -35,7 +35,8 @@ STATISTICS = ("tangent_share", "chance_share", "share_ratio", "mean_sq_norm", "n
 
 @torch.no_grad()
 def energy_sums(x: Tensor, basis: TangentBasis, mask: Tensor | None = None) -> Tensor:
-    """``[Σ‖x‖², Σ‖x Q_T‖², n]`` over the rows of ``x (..., d)`` kept by ``mask``, float64."""
+    """``[Σ‖x‖², Σ‖x Q_T‖², n]`` over the rows of ``x (..., d)`` kept by ``mask``, float64,
+    on x's device (no host sync per batch)."""
     if mask is not None:
         x = x[mask.to(x.device).bool()]
     rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
@@ -46,7 +47,7 @@ def energy_sums(x: Tensor, basis: TangentBasis, mask: Tensor | None = None) -> T
             coords.pow(2).sum(),
             torch.tensor(float(rows.shape[0]), dtype=torch.float64, device=rows.device),
         ]
-    ).cpu()
+    )
 
 
 def write_basis_site(write: Site, bases: Mapping[Site, object], n_layers: int) -> Site | None:
@@ -81,27 +82,24 @@ class ResidualProbe:
         return list(self.bases)
 
     def update(self, site: Site, x: Tensor, mask: Tensor | None = None) -> None:
-        self._sums[site] += energy_sums(x, self.bases[site], mask)
-
-    def merge(self, other: ResidualProbe) -> ResidualProbe:
-        for site, sums in other._sums.items():
-            self._sums[site] = self._sums.get(site, torch.zeros(3, dtype=torch.float64)) + sums
-        return self
+        sums = energy_sums(x, self.bases[site], mask)
+        self._sums[site] = sums + self._sums[site].to(sums.device)
 
     def rows(self) -> list[dict]:
         out = []
-        for site, (total, tangent, n) in self._sums.items():
+        for site, sums in self._sums.items():
+            total, tangent, n = sums.tolist()
             if n == 0:
                 continue
             basis = self.bases[site]
-            share = float(tangent / total) if total > 0 else float("nan")
+            share = tangent / total if total > 0 else float("nan")
             chance = basis.k / basis.d
             values = {
                 "tangent_share": share,
                 "chance_share": chance,
                 "share_ratio": share / chance,
-                "mean_sq_norm": float(total / n),
-                "n_tokens": float(n),
+                "mean_sq_norm": total / n,
+                "n_tokens": n,
             }
             out += [_row(self.name, site, stat, v) for stat, v in values.items()]
         return out
