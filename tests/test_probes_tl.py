@@ -143,10 +143,15 @@ def test_results_do_not_depend_on_batch_split(arch: str, fitted: dict) -> None:
     singles = [{k: v[i : i + 1] for k, v in full.items()} for i in range(4)]
     probes = ("residual", "attention", "gradient", "activation")
     loss = None if arch != "bert" else _encoder_loss
-    frames = [
-        run(model, split, bases, probes, loss=loss, reservoir=16, **OPTS).results()
+    sessions = [
+        run(model, split, bases, probes, loss=loss, reservoir=16, **OPTS)
         for split in ([full], halves, singles)
     ]
+    frames = [session.results() for session in sessions]
+    samples = [s.activation.reservoirs[Site(1, "resid_pre")].sample() for s in sessions]
+    assert samples[0].shape == (16, 32)
+    for other in samples[1:]:
+        torch.testing.assert_close(other, samples[0], rtol=1e-5, atol=1e-6)
     key = ["probe", "site", "layer", "head", "statistic"]
     ref = frames[0].sort_values(key).reset_index(drop=True)
     assert len(ref) > 100
@@ -245,15 +250,17 @@ def test_fit_bases_and_basis_set_round_trip(tmp_path, fitted: dict) -> None:
     assert list(loaded) == list(bases) and loaded.provenance == bases.provenance
     for name in bases:
         assert torch.equal(loaded[name].basis_, bases[name].basis_)
+    padded = padded_batch("llama")
     by_variance = fit_bases(
         tl_bridge("llama"),
-        [tokens("llama", 4, 12)],
+        [padded],
         variance=0.5,
         sites="blocks.0.hook_resid_pre",
         progress=False,
     )
     assert list(by_variance) == ["blocks.0.hook_resid_pre"]
     assert 1 <= by_variance["blocks.0.hook_resid_pre"].k < 32
+    assert by_variance.moments["blocks.0.hook_resid_pre"].count == padded["attention_mask"].sum()
 
 
 def test_bad_input_names_the_fix(fitted: dict) -> None:
