@@ -336,7 +336,8 @@ class ProbeSession:
         if tuple(mask.shape) != tuple(x.shape[:-1]):
             raise ValueError(
                 f"the attention_mask has shape {tuple(mask.shape)} but the activation at "
-                f"{site} is {tuple(x.shape)}; pass a (batch, pos) mask matching the tokens."
+                f"{site} is {tuple(x.shape)}; pass a (batch, pos) mask matching the tokens "
+                "(incremental decoding with a KV cache is not supported: probe whole sequences)."
             )
         return mask.to(x.device).bool()
 
