@@ -67,7 +67,6 @@ _Where = tuple[str, str]
 
 @dataclass(frozen=True)
 class _Layout:
-    name: str
     layers: str  # path from the base model to the ModuleList of blocks
     embed: _Where  # path from the base model
     block: Mapping[str, _Where]
@@ -78,7 +77,6 @@ class _Layout:
 _PRE_NORM_ORDER = ("resid_pre", "attn_in", "attn_out", "resid_mid", "mlp_out", "resid_post")
 
 _GPT2 = _Layout(
-    "gpt2",
     "h",
     ("wte", "out"),
     {
@@ -99,16 +97,14 @@ _NEOX_BLOCK = {
     "mlp_out": ("mlp", "out"),
     "resid_post": ("", "out"),
 }
-_NEOX = _Layout("gpt_neox", "layers", ("embed_in", "out"), _NEOX_BLOCK, _PRE_NORM_ORDER)
+_NEOX = _Layout("layers", ("embed_in", "out"), _NEOX_BLOCK, _PRE_NORM_ORDER)
 _NEOX_PARALLEL = _Layout(
-    "gpt_neox (parallel residual)",
     "layers",
     ("embed_in", "out"),
     {k: v for k, v in _NEOX_BLOCK.items() if k != "resid_mid"},
     tuple(k for k in _PRE_NORM_ORDER if k != "resid_mid"),
 )
 _LLAMA = _Layout(
-    "llama",
     "layers",
     ("embed_tokens", "out"),
     {
@@ -151,10 +147,9 @@ def _layout(hf: nn.Module) -> tuple[_Layout, nn.Module]:
         hasattr(base, "embeddings") and isinstance(getattr(encoder, "layer", None), nn.ModuleList)
     ):
         causal = bool(getattr(config, "is_decoder", False))
-        layout = _Layout(
-            "bert", "encoder.layer", ("embeddings", "out"), _BERT_BLOCK, _BERT_ORDER, causal
-        )
-        return layout, base
+        return _Layout(
+            "encoder.layer", ("embeddings", "out"), _BERT_BLOCK, _BERT_ORDER, causal
+        ), base
     layers = getattr(base, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers) and hasattr(base, "embed_tokens"):
         block = layers[0]
