@@ -1,0 +1,235 @@
+"""Data-parallel probing with ``torch.distributed``: N processes, one shard of the tokens each.
+
+Statistics are sums (`Moments`, energy sums, attention accumulators), so the shards
+reduce to the single-process answer up to float64 rounding (~1e-15 relative):
+
+>>> results = run_probe(factory, batches, bases, ("residual", "gradient"), world_size=2)
+
+`launch` spawns the processes (``torch.multiprocessing``, ``spawn``) and joins them
+into one group on a free port of 127.0.0.1 (gloo on CPU, NCCL when every rank has a
+GPU); `shard` splits a batch list into contiguous whole batches, so each batch is
+computed exactly as in one process; `all_reduce_session` reduces a `ProbeSession`.
+Functions and arguments given to `launch` travel to the children the way
+``multiprocessing`` sends them (pickled in memory): use module-level functions.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .stats import Moments
+
+__all__ = ["all_reduce_session", "free_port", "launch", "run_probe", "shard"]
+
+
+def shard(batches: Sequence[Any], rank: int, world_size: int) -> list[Any]:
+    """Rank ``rank``'s contiguous share of ``batches`` (sizes differ by at most one)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}.")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}.")
+    items = list(batches)
+    base, extra = divmod(len(items), world_size)
+    start = rank * base + min(rank, extra)
+    return items[start : start + base + (rank < extra)]
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    queue: Any,
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        if rank == 0:
+            queue.put(("ok", result))
+    except BaseException as err:
+        if rank == 0 or not isinstance(err, Exception):
+            queue.put(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None) -> Any:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one
+    process group; return rank 0's return value.
+
+    ``backend`` defaults to ``"nccl"`` when there are at least ``world_size`` GPUs, else
+    ``"gloo"``. An exception in any rank is raised here as a `RuntimeError`.
+    """
+    import torch.multiprocessing as mp
+
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}.")
+    if backend is None:
+        use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+        backend = "nccl" if use_nccl else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl'; got {backend!r}.")
+    queue = mp.get_context("spawn").SimpleQueue()
+    context = mp.spawn(
+        _worker,
+        args=(world_size, free_port(), backend, fn, args, queue),
+        nprocs=world_size,
+        join=False,
+    )
+    outcome = None
+    done = False
+    while not done:  # read while the ranks run: a large result must not fill the pipe
+        if outcome is None and not queue.empty():
+            outcome = queue.get()
+        try:
+            done = context.join(timeout=0.1)
+        except mp.ProcessRaisedException as err:
+            if outcome is None and not queue.empty():
+                outcome = queue.get()
+            detail = outcome[1] if outcome and outcome[0] == "error" else str(err)
+            raise RuntimeError(
+                f"a worker of the {world_size}-process run failed: {detail}"
+            ) from None
+    if outcome is None and not queue.empty():
+        outcome = queue.get()
+    if outcome is None or outcome[0] != "ok":
+        detail = outcome[1] if outcome else "rank 0 returned nothing"
+        raise RuntimeError(f"a worker of the {world_size}-process run failed: {detail}")
+    return outcome[1]
+
+
+# ------------------------------------------------------------------ reductions
+def all_reduce_moments(moments: Mapping[Any, Moments], d: int) -> None:
+    """`Moments.all_reduce_` on each value, in key order (the same on every rank); Moments
+    that saw no data on this rank take dimension ``d`` first."""
+    for key in sorted(moments, key=str):
+        m = moments[key]
+        if m.count == 0:
+            m.load_state_dict(Moments(d=d).state_dict())
+        m.all_reduce_()
+
+
+def _all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = tensor.clone()
+    dist.all_reduce(out)
+    return out
+
+
+def all_reduce_session(session: Any) -> Any:
+    """Reduce every statistic of a closed `ProbeSession` over all ranks, in place.
+
+    Gradient and activation `Moments` with `Moments.all_reduce_`; residual energy sums
+    and attention accumulators by summing their state tensors. A session with an
+    activation sample (``reservoir``) cannot be reduced exactly: `ValueError`.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return session
+    d = session.backend.d_model
+    if session.activation is not None:
+        if session.activation.reservoirs:
+            raise ValueError(
+                "activation samples (reservoir=) do not merge across processes; "
+                "run with world_size=1 or reservoir=0."
+            )
+        all_reduce_moments(session.activation.moments, d)
+    if session.gradient is not None:
+        all_reduce_moments(session.gradient.moments, d)
+    if session.residual is not None:
+        sums = session.residual._sums
+        for site in sorted(sums, key=str):
+            sums[site] = _all_reduce_sum(sums[site])
+    for site in sorted(session._attention, key=str):
+        basis, params, acc = session._attention[site]
+        if acc.n_heads is None:
+            acc = type(acc)(n_heads=params.n_heads)
+        state = acc.state_dict()
+        counts = torch.tensor([float(state["rows"]), float(state["entries"])], dtype=torch.float64)
+        flat = _all_reduce_sum(torch.cat([state["energy"].flatten(), state["kl"], counts]))
+        n_energy, n_kl = state["energy"].numel(), state["kl"].numel()
+        acc.load_state_dict(
+            {
+                "rows": torch.tensor(int(flat[-2]), dtype=torch.int64),
+                "entries": torch.tensor(int(flat[-1]), dtype=torch.int64),
+                "energy": flat[:n_energy].reshape(state["energy"].shape),
+                "kl": flat[n_energy : n_energy + n_kl],
+            }
+        )
+        session._attention[site] = (basis, params, acc)
+    return session
+
+
+# ------------------------------------------------------------------ probe runs
+def _probe_worker(
+    rank: int,
+    world_size: int,
+    model_factory: Callable[[], Any],
+    batches: Sequence[Any],
+    bases: Any,
+    probes: Sequence[str],
+    options: dict[str, Any],
+) -> Any:
+    from .probes.session import run
+
+    progress = bool(options.pop("progress", False)) and rank == 0
+    model = model_factory()
+    mine = shard(batches, rank, world_size)
+    session = run(model, mine, bases, probes, progress=progress, **options)
+    all_reduce_session(session)
+    return session.results() if rank == 0 else None
+
+
+def run_probe(
+    model_factory: Callable[[], Any],
+    batches: Sequence[Any],
+    bases: Any,
+    probes: Sequence[str] = ("residual", "attention", "gradient"),
+    *,
+    world_size: int = 1,
+    **options: Any,
+) -> Any:
+    """`tangentlens.probes.run` over ``batches`` split across ``world_size`` processes;
+    returns the merged ``session.results()`` (equal to one process up to rounding).
+
+    ``model_factory()`` builds the model in each process (a module-level function or a
+    ``functools.partial``); ``options`` go to `run` (``layers``, ``n_controls``, ``seed``,
+    ``progress``, ...). ``world_size=1`` runs in this process.
+    """
+    batches = list(batches)
+    if world_size == 1:
+        return _probe_worker(0, 1, model_factory, batches, bases, probes, dict(options))
+    if len(batches) < world_size:
+        raise ValueError(
+            f"{len(batches)} batches cannot feed {world_size} processes; pass at least "
+            "world_size batches or lower --world-size."
+        )
+    return launch(_probe_worker, world_size, model_factory, batches, bases, probes, dict(options))
