@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import __version__
+
 __all__ = ["build_parser", "main"]
 
 EXIT_USAGE = 2
@@ -222,11 +224,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 def _train_config(args: argparse.Namespace) -> Any:
     from .train import TrainConfig
 
-    overrides = {
-        k: v
-        for k, v in (("corpus", args.corpus), ("max_steps", args.max_steps), ("seed", args.seed))
-        if v is not None
-    }
+    names = ("corpus", "max_steps", "seed")
+    overrides = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
     if args.quick:  # five checkpoints (0, 1, 2, 4, 8) of a tiny model: seconds
         return TrainConfig.tiny(**{"max_steps": 8, **overrides})
     return TrainConfig(**overrides)
@@ -266,16 +265,11 @@ def _trained_with(checkpoints: str) -> dict[str, Any]:
 def _study_config(args: argparse.Namespace, checkpoints: str) -> Any:
     from .study import StudyConfig
 
-    ranks = args.rank or []
-    chosen = {
-        "backend": args.backend,
-        "rank": tuple(ranks) if len(ranks) > 1 else (ranks[0] if ranks else None),
-        "n_controls": args.controls,
-        "window_fraction": args.window_fraction,
-        "n_sequences": args.sequences,
-        "corpus": args.corpus,
-        "seed": args.seed,
-    }
+    ranks = getattr(args, "rank", None) or []
+    options = {"n_controls": "controls", "n_sequences": "sequences"}
+    options |= {k: k for k in ("backend", "window_fraction", "corpus", "seed")}
+    chosen = {key: getattr(args, name, None) for key, name in options.items()}
+    chosen["rank"] = tuple(ranks) if len(ranks) > 1 else (ranks[0] if ranks else None)
     base = dict(_QUICK_STUDY) if args.quick else {}
     base.update(_trained_with(checkpoints))
     base.update({k: v for k, v in chosen.items() if v is not None})
@@ -389,89 +383,128 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tangent-subspace probes and anisotropy statistics for language models.",
         epilog="Set TANGENTLENS_DEBUG=1 to see tracebacks instead of one-line errors.",
     )
-    from . import __version__
-
     parser.add_argument("--version", action="version", version=f"tangentlens {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    kjv = "text file or folder of .txt files (default: the King James Bible)"
+    backends = ("transformer_lens", "nnsight")
 
     demo = sub.add_parser(
-        "demo", parents=[common], help="train, study and report, fully offline (≤ 5 min)",
+        "demo",
+        parents=[common],
+        help="train, study and report, fully offline (at most 5 minutes)",
         description="Train the small model on the embedded corpus (King James Bible), run "
-        "the study over its checkpoints, probe the attention heads and write report.html.",
-    )  # fmt: skip
-    demo.add_argument("--out", default="tangentlens-demo", help="output folder (%(default)s)")
-    demo.add_argument("--quick", action="store_true", help="tiny configs (seconds; for tests)")
-    demo.set_defaults(func=cmd_demo, corpus=None, max_steps=None, seed=None, backend=None,
-                      rank=None, controls=None, window_fraction=None, sequences=None,
-                      world_size=1)  # fmt: skip
+        "the study over its checkpoints, probe the attention heads, write report.html.",
+    )
+    demo.add_argument("--out", metavar="DIR", default="tangentlens-demo", help="(%(default)s)")
+    demo.add_argument("--quick", action="store_true", help="tiny configs: seconds (tests)")
+    demo.set_defaults(func=cmd_demo, world_size=1)
 
     probe = sub.add_parser(
-        "probe", parents=[common], help="probe one checkpoint: bases, probes, figures",
-        description="Fit rank-k tangent bases at resid_pre and the attention input on half "
-        "the tokens, run the residual, attention and gradient probes on the other half, and "
-        "write results.csv/json, bases/, figures/ and report.html.",
-    )  # fmt: skip
-    probe.add_argument("--model", required=True,
-                       help="smollm2-135m, minilm-l6, a local HF folder or a hub id")  # fmt: skip
-    probe.add_argument("--backend", default="transformer_lens",
-                       choices=("transformer_lens", "nnsight"), help="(%(default)s)")  # fmt: skip
-    probe.add_argument("--text", help="text file or folder of .txt (default: King James Bible)")
-    probe.add_argument("--rank", type=_positive_int, default=16, help="rank k of Q_T (16)")
-    probe.add_argument("--layers", type=_layer, nargs="+", help="layers to probe (all)")
-    probe.add_argument("--tokens", type=_positive_int, default=2048,
-                       help="tokens probed; as many again fit the bases (%(default)s)")  # fmt: skip
-    probe.add_argument("--seq-len", type=_positive_int, default=128, help="(%(default)s)")
-    probe.add_argument("--batch-size", type=_positive_int, default=8, help="(%(default)s)")
-    probe.add_argument("--controls", type=_positive_int, default=1000,
-                       help="normal controls per test (%(default)s)")  # fmt: skip
-    probe.add_argument("--world-size", type=_positive_int, default=1,
-                       help="data-parallel processes (%(default)s)")  # fmt: skip
-    probe.add_argument("--out", required=True, help="output folder")
+        "probe",
+        parents=[common],
+        help="probe one checkpoint: bases, probes, tables, figures",
+        description="Fit rank-k tangent bases at resid_pre and the attention input on one "
+        "half of the tokens, run the residual, attention and gradient probes on the other "
+        "half, write results.csv/json, bases/, figures/ and report.html.",
+    )
+    probe.add_argument(
+        "--model",
+        metavar="NAME|FOLDER",
+        required=True,
+        help="smollm2-135m, minilm-l6, a local Hugging Face folder, or a hub id",
+    )
+    probe.add_argument("--backend", choices=backends, default=backends[0], help="(%(default)s)")
+    probe.add_argument("--text", metavar="FILE", help=kjv)
+    probe.add_argument(
+        "--rank", metavar="K", type=_positive_int, default=16, help="rank of Q_T (16)"
+    )
+    probe.add_argument("--layers", metavar="L", type=_layer, nargs="+", help="layers (all)")
+    probe.add_argument(
+        "--tokens",
+        metavar="N",
+        type=_positive_int,
+        default=2048,
+        help="tokens probed; as many again fit the bases (%(default)s)",
+    )
+    probe.add_argument(
+        "--seq-len", metavar="N", type=_positive_int, default=128, help="tokens per row (128)"
+    )
+    probe.add_argument(
+        "--batch-size", metavar="N", type=_positive_int, default=8, help="rows per batch (8)"
+    )
+    probe.add_argument(
+        "--controls", metavar="N", type=_positive_int, default=1000, help="normal controls (1000)"
+    )
+    probe.add_argument(
+        "--world-size",
+        metavar="N",
+        type=_positive_int,
+        default=1,
+        help="data-parallel processes (1)",
+    )
+    probe.add_argument("--out", metavar="DIR", required=True, help="output folder")
     probe.set_defaults(func=cmd_probe)
 
     train = sub.add_parser(
-        "train", parents=[common], help="train the small model, save checkpoints",
-        description="Train a small Llama-style LM with a Pythia-like checkpoint schedule; "
-        "a rerun with the same options resumes.",
-    )  # fmt: skip
-    train.add_argument("--out", required=True, help="output folder for step{N}/ checkpoints")
-    train.add_argument("--corpus", help="text file or folder of .txt (default: King James Bible)")
-    train.add_argument("--max-steps", type=_positive_int, help="training steps")
-    train.add_argument("--seed", type=int, help="random seed")
-    train.add_argument("--quick", action="store_true", help="a tiny model (seconds)")
+        "train",
+        parents=[common],
+        help="train the small model, save its checkpoints",
+        description="Train a small Llama-style LM with a Pythia-like checkpoint schedule "
+        "(step0, step1, step2, step4, ...); a rerun with the same options resumes.",
+    )
+    train.add_argument("--out", metavar="DIR", required=True, help="output folder")
+    train.add_argument("--corpus", metavar="FILE", help=kjv)
+    train.add_argument(
+        "--max-steps", metavar="N", type=_positive_int, help="training steps (default: TrainConfig)"
+    )
+    train.add_argument("--seed", metavar="N", type=int, help="random seed (0)")
+    train.add_argument("--quick", action="store_true", help="a tiny model: seconds")
     train.set_defaults(func=cmd_train)
 
     study = sub.add_parser(
-        "study", parents=[common], help="the training-dynamics study over checkpoints",
-        description="Fit Q_T on the early-window checkpoints, test gradients at every "
-        "checkpoint, measure embedding geometry, write results and report.html. A rerun "
-        "resumes.",
-    )  # fmt: skip
-    study.add_argument("--checkpoints", required=True,
-                       help="folder of step{N}/ checkpoints, or a hub id such as "
-                            "EleutherAI/pythia-70m")  # fmt: skip
-    study.add_argument("--out", required=True, help="output folder")
-    study.add_argument("--backend", choices=("transformer_lens", "nnsight"))
-    study.add_argument("--rank", type=_positive_int, nargs="+", help="rank(s) of Q_T (16)")
-    study.add_argument("--controls", type=_positive_int, help="normal controls (1000)")
-    study.add_argument("--window-fraction", type=_fraction, help="early/late window (0.3)")
-    study.add_argument("--sequences", type=_positive_int, help="probe-set sequences")
-    study.add_argument("--corpus", help="text file or folder of .txt (default: KJV)")
-    study.add_argument("--seed", type=int, help="random seed")
-    study.add_argument("--world-size", type=_positive_int, default=1,
-                       help="data-parallel processes (%(default)s)")  # fmt: skip
+        "study",
+        parents=[common],
+        help="the training-dynamics study over a checkpoint series",
+        description="Fit Q_T on the early-window checkpoints, test the gradients of every "
+        "checkpoint against it, measure embedding geometry, write the results and "
+        "report.html. A rerun with the same options resumes.",
+    )
+    study.add_argument(
+        "--checkpoints",
+        metavar="DIR|HUB_ID",
+        required=True,
+        help="a folder of step{N}/ checkpoints, or a hub id such as EleutherAI/pythia-70m",
+    )
+    study.add_argument("--out", metavar="DIR", required=True, help="output folder")
+    study.add_argument("--backend", choices=backends, help="(transformer_lens)")
+    study.add_argument("--rank", metavar="K", type=_positive_int, nargs="+", help="rank(s) (16)")
+    study.add_argument("--controls", metavar="N", type=_positive_int, help="controls (1000)")
+    study.add_argument(
+        "--window-fraction", metavar="F", type=_fraction, help="of checkpoints (0.3)"
+    )
+    study.add_argument("--sequences", metavar="N", type=_positive_int, help="probe set (32)")
+    study.add_argument("--corpus", metavar="FILE", help=kjv)
+    study.add_argument("--seed", metavar="N", type=int, help="random seed (0)")
+    study.add_argument(
+        "--world-size",
+        metavar="N",
+        type=_positive_int,
+        default=1,
+        help="data-parallel processes (1)",
+    )
     study.add_argument("--quick", action="store_true", help="few controls and tokens")
     study.set_defaults(func=cmd_study)
 
     report = sub.add_parser(
-        "report", parents=[common], help="re-render report.html from saved results",
-        description="Read results.csv (and manifest.json) from DIR and write report.html "
-        "and figures/.",
-    )  # fmt: skip
-    report.add_argument("dir", help="a results folder (the --out of study, probe or demo)")
-    report.add_argument("--out", help="the HTML file to write (DIR/report.html)")
+        "report",
+        parents=[common],
+        help="re-render report.html from saved results",
+        description="Read results.csv (and manifest.json) in DIR; write report.html and figures/.",
+    )
+    report.add_argument("dir", metavar="DIR", help="the --out folder of study, probe or demo")
+    report.add_argument("--out", metavar="FILE", help="HTML file to write (DIR/report.html)")
     report.set_defaults(func=cmd_report)
     return parser
 

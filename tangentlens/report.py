@@ -49,7 +49,7 @@ __all__ = [
 # Okabe & Ito (2008): distinguishable under the common colour-vision deficiencies.
 OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#000000")
 SEQUENTIAL = "cividis"  # perceptually uniform and colour-blind safe
-WINDOW_COLOURS = {"early": "#56B4E9", "late": "#E69F00"}
+WINDOW_SHADE = {"early": 0.07, "late": 0.14}  # grey alpha: shading never competes with data
 ALPHA = 0.05
 RESULTS_FILE = "results.csv"
 HEADS_FILE = "heads.csv"  # per-head attention rows kept beside a study's table (the demo)
@@ -210,14 +210,25 @@ def _step_axis(ax: Any, t: pd.DataFrame) -> None:
     steps = _steps(t)
     if steps and steps[-1] > 8 * max(1, steps[1] if len(steps) > 1 else 1):
         ax.set_xscale("symlog", linthresh=1)
+    from matplotlib.transforms import blended_transform_factory
+
+    top = blended_transform_factory(ax.transData, ax.transAxes)
     for name, (lo, hi) in _window_spans(t).items():
-        ax.axvspan(lo, hi, color=WINDOW_COLOURS[name], alpha=0.18, lw=0, label=f"{name} window")
+        ax.axvspan(lo, hi, color="black", alpha=WINDOW_SHADE[name], lw=0)
+        ax.text((lo + hi) / 2 if hi > lo else lo, 0.98, f"{name}\nwindow", transform=top,
+                ha="center", va="top", fontsize=8, color="#333333")  # fmt: skip
     ax.set_xlabel("training step")
 
 
-def _legend(ax: Any, **kw: Any) -> None:
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, framealpha=0.9, **kw)
+def _legend(fig: Figure, axes: list) -> None:
+    """One legend for the whole figure, below the panels (never over the data)."""
+    seen: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, handle)
+    if seen:
+        fig.legend(list(seen.values()), list(seen), loc="outside lower center",
+                   ncols=min(6, len(seen)), fontsize=8, frameon=False)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- figures
@@ -257,7 +268,7 @@ def _depth(t: pd.DataFrame) -> tuple[Figure, str] | None:
     ax_e.set_ylabel("energy ratio")
     for ax in (ax_s, ax_e):
         ax.xaxis.get_major_locator().set_params(integer=True)
-        _legend(ax)
+    _legend(fig, [ax_s, ax_e])
     parts = []
     if len(share):
         by_layer = share.groupby("layer")["value"].mean()
@@ -350,8 +361,7 @@ def _energy(t: pd.DataFrame) -> tuple[Figure, str] | None:
         ax_p.set_yscale("log")
         ax_p.axhline(ALPHA, color="#D55E00", ls="--", lw=1.2, label=f"α = {ALPHA}")
     ax_p.set(title="p-value against normal controls", ylabel="p-value (log)")
-    _legend(ax_r, ncols=2 if len(layers) > 4 else 1)
-    _legend(ax_p)
+    _legend(fig, [ax_r, ax_p])
     if len(layers) > 8:
         _layer_colourbar(fig, [ax_r, ax_p], layers)
     early, late = _window_means(ratio)
@@ -409,7 +419,7 @@ def _isotropy(t: pd.DataFrame) -> tuple[Figure, str] | None:
         ax.set_title(f"ΔIsoScore* of the gradients per layer ({site})")
     ax.axhline(0.0, color="gray", lw=0.8)
     ax.set_ylabel("ΔIsoScore* after removal")
-    _legend(ax)
+    _legend(fig, [ax])
     mt, mn = float(d_t["value"].mean()), float(d_n["value"].mean())
     more = "more" if mt > mn else "less"
     return fig, (
@@ -444,9 +454,7 @@ def _frequency(t: pd.DataFrame) -> tuple[Figure, str] | None:
         ax.axhline(0.0, color="gray", lw=0.8)
         ax.set_ylim(-1, 1)
         ax.set(title=f"{kind.title()} r: log frequency vs distance to centre", ylabel="r")
-    handles, labels = axes[0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncols=4, fontsize=8)
+    _legend(fig, axes)
     last = steps[-1] if steps else None
     final = {c: _final(t, f"pearson_{c}") for c in present}
     text = ", ".join(f"{CENTRES[c]} {v:+.2f}" for c, v in final.items() if v is not None)
@@ -498,8 +506,9 @@ def _dimension(t: pd.DataFrame) -> tuple[Figure, str] | None:
             ax.set_xlabel("layer")
             readings.append(f"{label} {g.mean():.1f} on average")
         ax.set(title=f"{label} of activations" + (f" ({site})" if site else ""), ylabel=label)
-        _legend(ax, ncols=2)
-    return fig, "Over training (mean over layers): " + "; ".join(readings) + "."
+    _legend(fig, axes)
+    prefix = "Over training (mean over layers)" if len(_steps(t)) >= 2 else "Mean over layers"
+    return fig, f"{prefix}: " + "; ".join(readings) + "."
 
 
 FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], tuple[Figure, str] | None]]] = {
