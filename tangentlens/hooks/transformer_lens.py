@@ -70,26 +70,29 @@ class _TorchHandle:
         self._handle.remove()
 
 
-def hook_counts(model: nn.Module) -> dict[str, tuple[int, int, int, int]]:
-    """Per hook point: (TL fwd handles, TL bwd handles, torch fwd hooks, torch bwd hooks).
-
-    Hook hygiene means this is identical before and after any probe.
-    """
-    return {
-        name: (
-            len(hp.fwd_hooks),
-            len(hp.bwd_hooks),
-            len(hp._forward_hooks),
-            len(hp._backward_hooks),
-        )
-        for name, hp in _hook_points(model).items()
-    }
-
-
-def _hook_points(model: nn.Module) -> dict[str, Any]:
+def hook_counts(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Hooks on every module (and on a bridge's wrapped HF model): torch's forward-pre,
+    forward, backward-pre and backward hooks, plus TL's fwd/bwd handle lists on
+    HookPoints. Hook hygiene means this is identical before and after any probe."""
     from transformer_lens.hook_points import HookPoint
 
-    return {n: m for n, m in model.named_modules() if isinstance(m, HookPoint)}
+    roots = [("", model)]
+    original = getattr(model, "original_model", None)
+    if isinstance(original, nn.Module) and original is not model:
+        roots.append(("original_model.", original))
+    counts: dict[str, tuple[int, ...]] = {}
+    for prefix, root in roots:
+        for name, module in root.named_modules():
+            row = (
+                len(module._forward_pre_hooks),
+                len(module._forward_hooks),
+                len(module._backward_pre_hooks),
+                len(module._backward_hooks),
+            )
+            if isinstance(module, HookPoint):
+                row += (len(module.fwd_hooks), len(module.bwd_hooks))
+            counts[prefix + name] = row
+    return counts
 
 
 class TransformerLensBackend:
