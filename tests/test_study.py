@@ -1,0 +1,369 @@
+"""The study end to end on a tiny trained series: table, files, resume after SIGKILL,
+duplicates, configuration checks and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tangentlens.probes.session import BasisSet
+from tangentlens.study import COLUMNS, Study, StudyConfig, _load_part, load_results
+from tangentlens.train import TrainConfig, train
+
+D_MODEL, N_LAYERS = 32, 2  # TrainConfig.tiny()
+
+
+@pytest.fixture(scope="module")
+def series_dir(tmp_path_factory) -> Path:
+    """The tiny run, plus step10: a copy of step8 (a duplicate checkpoint)."""
+    run = train(TrainConfig.tiny(), tmp_path_factory.mktemp("tiny"), progress=False)
+    shutil.copytree(run / "step8", run / "step10")
+    return run
+
+
+def _config(series_dir: Path, **overrides) -> StudyConfig:
+    base = dict(
+        checkpoints=str(series_dir),
+        rank=(2, 4),
+        n_controls=50,
+        n_sequences=8,
+        seq_len=32,
+        batch_size=4,
+        max_chars=40_000,
+        reservoir=64,
+        n_permutations=20,
+        progress=False,
+    )
+    base.update(overrides)
+    return StudyConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def study(series_dir, tmp_path_factory) -> tuple[StudyConfig, Path, pd.DataFrame]:
+    cfg = _config(series_dir)
+    out = tmp_path_factory.mktemp("study")
+    return cfg, out, Study(cfg).run(out)
+
+
+# ----------------------------------------------------------------------- config
+def test_config_round_trip_and_normalisation(series_dir):
+    cfg = _config(series_dir, rank=[4, 2, 4], sites=["resid_post", "resid_pre"])
+    assert cfg.rank == (2, 4) and cfg.ranks == (2, 4)
+    assert cfg.sites == ("resid_pre", "resid_post")
+    again = StudyConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+    assert _config(series_dir, rank=16).ranks == (16,)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("backend", "jax", "backend"),
+        ("sites", ("attn_out",), "sites"),
+        ("rank", 0, "rank"),
+        ("rank", [], "rank"),
+        ("window_fraction", 0.6, "window_fraction"),
+        ("zeta", 1.5, "zeta"),
+        ("controls", "gaussian", "controls"),
+        ("n_controls", 0, "n_controls"),
+        ("reservoir", 2, "reservoir"),
+        ("seq_len", 1, "seq_len"),
+    ],
+)
+def test_config_rejects_bad_values(series_dir, field, value, match):
+    with pytest.raises(ValueError, match=match):
+        _config(series_dir, **{field: value})
+
+
+def test_config_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="unknown StudyConfig keys"):
+        StudyConfig.from_dict({"checkpoints": "x", "rnak": 4})
+
+
+# ----------------------------------------------------------------------- table
+STEPS = [0, 1, 2, 4, 8, 10, 16, 24]
+RES_SITES = [(0, "resid_pre"), (1, "resid_pre"), (1, "resid_post")]
+GRADIENT_TESTS = (
+    "tangent_share",
+    "chance_share",
+    "energy_ratio",
+    "p_value",
+    "normalized_ratio",
+    "delta_iso_tangent",
+    "delta_iso_normal",
+    "iso_statistic",
+    "isotropy_p_value",
+)
+ACTIVATION = (
+    "twonn_dimension",
+    "effective_rank",
+    "participation_ratio",
+    "isoscore",
+    "mean_sq_norm",
+    "n_tokens",
+)
+
+
+def _stats(frame: pd.DataFrame, **where) -> set[str]:
+    mask = np.ones(len(frame), dtype=bool)
+    for col, value in where.items():
+        mask &= (frame[col] == value).fillna(False).to_numpy(dtype=bool)
+    return set(frame.loc[mask, "statistic"])
+
+
+def test_table_columns_windows_and_statistics(study):
+    _, _, frame = study
+    assert list(frame.columns) == COLUMNS
+    assert sorted(frame["step"].unique()) == STEPS
+    assert (frame["checkpoint"] == "step" + frame["step"].astype(str)).all()
+    windows = frame.groupby("step")["window"].first().to_dict()
+    # 8 checkpoints, fraction 0.3: ceil(2.4) = 3 per window
+    assert [windows[s] for s in STEPS] == ["early"] * 3 + ["middle"] * 2 + ["late"] * 3
+    assert frame["head"].isna().all()
+    for step in STEPS:
+        for layer, site in RES_SITES:
+            here = dict(step=step, layer=layer, site=site)
+            for k in (2, 4):
+                assert set(GRADIENT_TESTS) <= _stats(frame, probe="gradient", rank=k, **here)
+                assert {"tangent_share", "share_ratio"} <= _stats(
+                    frame, probe="residual", rank=k, **here
+                )
+            assert set(ACTIVATION) <= _stats(frame, probe="activation", **here)
+            assert {"grad_isoscore", "grad_effective_rank", "n_tokens"} <= _stats(
+                frame, probe="gradient", **here
+            )
+        for layer in range(N_LAYERS):
+            for write in ("attn_out", "mlp_out"):
+                assert "share_ratio" in _stats(
+                    frame, probe="residual", step=step, layer=layer, site=write, rank=4
+                )
+        embedding = _stats(frame, probe="embedding", step=step)
+        assert {"pearson_weighted", "spearman_norm", "pearson_weighted_p_value"} <= embedding
+        assert ("update_tangent_share_q1" in embedding) == (step != 0)
+        assert "probe_loss" in _stats(frame, probe="checkpoint", step=step)
+    # one rank column per basis-dependent number, NA for basis-free ones
+    assert frame.loc[frame["statistic"] == "energy_ratio", "rank"].notna().all()
+    assert frame.loc[frame["statistic"] == "twonn_dimension", "rank"].isna().all()
+
+
+def test_values_are_finite_and_in_range(study):
+    _, _, frame = study
+    value = frame["value"]
+    nan_ok = frame["statistic"].str.startswith("update_tangent_share")  # a zero update
+    assert np.isfinite(value[~nan_ok]).all()
+
+    def vals(stat: str) -> pd.Series:
+        return value[frame["statistic"] == stat]
+
+    for stat in ("p_value", "isotropy_p_value", "pearson_weighted_p_value"):
+        assert ((vals(stat) > 0) & (vals(stat) <= 1)).all()
+    for stat in ("tangent_share", "isoscore", "grad_isoscore", "chance_share"):
+        assert ((vals(stat) >= 0) & (vals(stat) <= 1 + 1e-12)).all()
+    assert ((vals("effective_rank") >= 1) & (vals("effective_rank") <= D_MODEL)).all()
+    assert (vals("twonn_dimension") > 0).all()
+    assert (vals("energy_ratio") > 0).all()
+    corr = frame["statistic"].str.match(r"^(pearson|spearman)_(mean_all|mean_seen|weighted|norm)$")
+    assert (value[corr].abs() <= 1).all()
+    ci = frame[corr]
+    assert ((ci["ci_low"] <= ci["value"]) & (ci["value"] <= ci["ci_high"])).all()
+    assert frame.loc[~corr, ["ci_low", "ci_high"]].isna().all().all()
+    chance = frame[(frame["statistic"] == "chance_share") & (frame["probe"] == "gradient")]
+    assert np.allclose(chance["value"], chance["rank"].astype(float) / D_MODEL)
+
+
+def test_files_bases_and_manifest(study, series_dir):
+    cfg, out, frame = study
+    pd.testing.assert_frame_equal(load_results(out / "results.csv"), frame, check_dtype=False)
+    records = json.loads((out / "results.json").read_text())
+    assert len(records) == len(frame) and set(records[0]) == set(COLUMNS)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"] == cfg.to_dict()
+    assert manifest["steps"] == STEPS
+    assert manifest["windows"] == {"early": [0, 1, 2], "late": [10, 16, 24]}
+    assert set(manifest["weights_hashes"]) == {str(s) for s in STEPS}
+    assert manifest["library"].startswith("tangentlens ")
+    assert manifest["timings"]["total_s"] > 0
+    for k in (2, 4):
+        bases = BasisSet.load(out / "bases" / f"rank{k}.safetensors")
+        assert len(bases) == len(RES_SITES)
+        prov = bases.provenance
+        assert prov["rank"] == k and prov["early_steps"] == [0, 1, 2] and prov["seed"] == 0
+        assert set(prov["weights_hashes"]) == {"0", "1", "2"}
+        assert prov["model"] == str(series_dir)
+        assert bases["blocks.0.hook_resid_pre"].basis_.shape == (D_MODEL, k)
+    assert sorted(p.name for p in (out / "parts").iterdir()) == sorted(
+        f"step{s}.safetensors" for s in STEPS
+    )
+
+
+def test_duplicate_checkpoint_is_flagged(study):
+    _, out, frame = study
+    dup = frame[frame["statistic"] == "duplicate_of"]
+    assert dup[["step", "value"]].values.tolist() == [[10, 8.0]]
+    assert json.loads((out / "manifest.json").read_text())["duplicates"] == {"10": 8}
+    # identical weights give identical statistics, and a zero embedding update
+    update = frame[(frame["statistic"] == "update_total") & (frame["step"] == 10)]
+    assert (update["value"] == 0).all()
+
+
+def test_probe_loss_matches_the_trainers_eval_loss(study):
+    """The default probe set is the trainer's held-out split (same seed and seq_len);
+    tiny eval_blocks=4 of the 8 probe sequences: the losses differ but are close."""
+    _, _, frame = study
+    losses = frame[frame["probe"] == "checkpoint"].pivot_table(
+        index="step", columns="statistic", values="value"
+    )
+    assert (losses["probe_loss"].diff().dropna().iloc[:4] < 0).all()
+    assert np.allclose(losses["probe_loss"], losses["eval_loss"], rtol=0.1)
+
+
+# ----------------------------------------------------------------------- resume
+def test_rerun_reuses_parts_and_is_identical(study):
+    cfg, out, frame = study
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "parts").iterdir()}
+    csv = (out / "results.csv").read_bytes()
+    again = Study(cfg).run(out)
+    pd.testing.assert_frame_equal(again, frame)
+    assert (out / "results.csv").read_bytes() == csv
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "parts").iterdir()} == before
+    assert json.loads((out / "manifest.json").read_text())["timings"]["resumed_checkpoints"] == 8
+
+
+def test_other_configuration_is_refused(study):
+    cfg, out, _ = study
+    with pytest.raises(ValueError, match=r"another configuration \(differs in \['zeta'\]\)"):
+        Study(replace(cfg, zeta=0.2)).run(out)
+    Study(replace(cfg, progress=True)).run(out, progress=False)  # progress is not a result
+
+
+_RUN = (
+    "import json, sys\n"
+    "from tangentlens.study import Study, StudyConfig\n"
+    "Study(StudyConfig.from_dict(json.loads(sys.argv[1]))).run(sys.argv[2])\n"
+)
+
+
+def _final_files_are_whole(out: Path) -> None:
+    """Every file under a final (non-temporary) name is complete and readable."""
+    for path in out.rglob("*"):
+        if path.is_dir() or path.name.startswith("."):
+            continue
+        if path.parent.name == "parts":
+            _load_part(path)
+        elif path.parent.name == "bases":
+            BasisSet.load(path)
+        elif path.suffix == ".json":
+            json.loads(path.read_text())
+        elif path.suffix == ".csv":
+            load_results(path)
+
+
+def test_sigkill_at_random_moments_then_resume_is_identical(study, tmp_path):
+    cfg, reference, _ = study
+    out = tmp_path / "killed"
+    rng = np.random.default_rng(7)
+    n_parts = len(STEPS)
+
+    def parts_done() -> int:
+        return len(list((out / "parts").glob("step*.safetensors"))) if out.exists() else 0
+
+    # kill once the probe set exists, once mid-way through the checkpoints, once in the analysis
+    conditions = [
+        lambda: (out / "probe_set.safetensors").exists(),
+        lambda: parts_done() >= n_parts // 2,
+        lambda: parts_done() == n_parts,
+    ]
+    killed_at = []
+    for condition in conditions:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _RUN, json.dumps(cfg.to_dict()), str(out)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120
+        while not condition() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(float(rng.uniform(0.0, 0.2)))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed_at.append(parts_done())
+        _final_files_are_whole(out)
+    assert killed_at[0] < n_parts  # the first kill lands before the checkpoints are done
+    done = {p.name: p.stat().st_mtime_ns for p in (out / "parts").iterdir()}
+    Study(cfg).run(out)
+    kept = {p.name: p.stat().st_mtime_ns for p in (out / "parts").iterdir() if p.name in done}
+    assert kept == done  # finished checkpoints are not redone
+    for name in ("results.csv", "results.json"):
+        assert (out / name).read_bytes() == (reference / name).read_bytes()
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+
+
+# ----------------------------------------------------------------------- bad input
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist") as err:
+        Study(StudyConfig(checkpoints=str(tmp_path / "nope"))).run(tmp_path / "out")
+    _one_line(err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_folder_without_checkpoints(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no checkpoints") as err:
+        Study(StudyConfig(checkpoints=str(tmp_path / "empty"))).run(tmp_path / "out")
+    _one_line(err)
+
+
+def _linked_series(tmp_path: Path, source: Path, steps: list[int]) -> Path:
+    folder = tmp_path / "series"
+    folder.mkdir()
+    for step in steps:
+        (folder / f"step{step}").symlink_to(source / f"step{step}")
+    (folder / "tokenizer").symlink_to(source / "tokenizer")
+    return folder
+
+
+def test_checkpoint_with_other_shapes(series_dir, tmp_path):
+    odd = train(
+        TrainConfig.tiny(d_model=16, d_mlp=32, max_steps=1, warmup_steps=1),
+        tmp_path / "odd",
+        progress=False,
+    )
+    folder = _linked_series(tmp_path, series_dir, [0, 1, 2, 4])
+    (folder / "step100").symlink_to(odd / "step1")
+    with pytest.raises(ValueError, match="does not match step 0") as err:
+        Study(_config(folder)).run(tmp_path / "out")
+    _one_line(err)
+
+
+def test_window_with_fewer_than_two_checkpoints(series_dir, tmp_path):
+    folder = _linked_series(tmp_path, series_dir, [0, 8, 24])
+    with pytest.raises(ValueError, match="early window holds 1") as err:
+        Study(_config(folder)).run(tmp_path / "out")
+    _one_line(err)
+
+
+def test_rank_too_large_for_the_model(series_dir, tmp_path):
+    with pytest.raises(ValueError, match="rank 20 is too large for d_model=32") as err:
+        Study(_config(series_dir, rank=20)).run(tmp_path / "out")
+    _one_line(err)
+
+
+def test_world_size_must_be_positive(series_dir, tmp_path):
+    with pytest.raises(ValueError, match="world_size"):
+        Study(_config(series_dir)).run(tmp_path / "out", world_size=0)
