@@ -74,10 +74,13 @@ def _build_tokenizer(folder: Path, *, bert: bool) -> Any:
     return fast
 
 
-def _hf_config(arch: str, vocab: int) -> Any:
+def _hf_config(arch: str, tokenizer: Any) -> Any:
     import transformers as tf
 
-    common = {"vocab_size": vocab}
+    # special ids inside the tiny vocabulary (GPT-2's default 50256 is not)
+    common = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
+    if arch != "bert":
+        common |= {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.bos_token_id}
     if arch == "gpt2":
         return tf.GPT2Config(
             n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_positions=N_CTX, **common
@@ -137,8 +140,7 @@ def hf_folder(arch: str) -> Path:
         raise ValueError(f"arch must be one of {ARCHITECTURES}; got {arch!r}.")
     folder = _root() / arch
     tokenizer = _build_tokenizer(folder, bert=arch == "bert")
-    config = _hf_config(arch, len(tokenizer))
-    config.pad_token_id = tokenizer.pad_token_id
+    config = _hf_config(arch, tokenizer)
     torch.manual_seed(SEED)
     model = getattr(tf, _HF_CLASSES[arch])(config)
     model.save_pretrained(folder)

@@ -480,7 +480,8 @@ def lm_loss(model: Any, batch: Any) -> Tensor:
     """
     ids, mask = _unpack(batch)
     ids = ids.to(_device(model))
-    logits = _forward(model, ids, None if mask is None else mask.to(ids.device))
+    out = _forward(model, ids, None if mask is None else mask.to(ids.device))
+    logits = getattr(out, "logits", out)  # Hugging Face models return a ModelOutput
     if not isinstance(logits, Tensor) or logits.ndim != 3:
         raise ValueError(
             "the model did not return (batch, pos, vocab) logits; pass loss=callable(model, "
