@@ -70,7 +70,7 @@ def _worker(
     try:
         result = fn(rank, world_size, *args)
         if rank == 0:
-            queue.put(("ok", result))
+            queue.put(("ok", _by_value(result)))
     except BaseException as err:
         if rank == 0 or not isinstance(err, Exception):
             queue.put(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
@@ -121,7 +121,35 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     if outcome is None or outcome[0] != "ok":
         detail = outcome[1] if outcome else "rank 0 returned nothing"
         raise RuntimeError(f"a worker of the {world_size}-process run failed: {detail}")
-    return outcome[1]
+    return _from_value(outcome[1])
+
+
+class _TensorValue:
+    """A tensor sent by value: torch's queue reductions would share its memory with a
+    process that exits right after sending."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.array = t.detach().cpu().numpy()
+
+
+def _by_value(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _TensorValue(obj)
+    if isinstance(obj, dict):
+        return {k: _by_value(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_by_value(v) for v in obj)
+    return obj
+
+
+def _from_value(obj: Any) -> Any:
+    if isinstance(obj, _TensorValue):
+        return torch.from_numpy(obj.array)
+    if isinstance(obj, dict):
+        return {k: _from_value(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_from_value(v) for v in obj)
+    return obj
 
 
 # ------------------------------------------------------------------ reductions

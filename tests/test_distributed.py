@@ -1,0 +1,128 @@
+"""Data-parallel runs on gloo: 2 processes give the single-process answer (within 1e-10)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from tangentlens.distributed import launch, run_probe, shard
+from tangentlens.stats import Moments
+from tangentlens.train import TrainConfig, train
+
+TOL = 1e-10
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    return train(TrainConfig.tiny(), tmp_path_factory.mktemp("tiny"), progress=False)
+
+
+def test_shard_is_contiguous_balanced_and_complete():
+    items = list(range(11))
+    parts = [shard(items, r, 3) for r in range(3)]
+    assert parts == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert shard(items, 0, 1) == items
+    assert [shard([1], r, 2) for r in range(2)] == [[1], []]
+    for rank, world in ((0, 0), (2, 2), (-1, 2)):
+        with pytest.raises(ValueError, match=r"rank|world_size"):
+            shard(items, rank, world)
+
+
+def _data() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(6, 50, 8, generator=g, dtype=torch.float64) * 3 + 1e3
+
+
+def _moments_worker(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    m = Moments()
+    for x in shard(list(_data()), rank, world_size):
+        m.update(x)
+    empty = Moments()  # a rank without data still takes part
+    if rank == 0:
+        empty.update(_data()[0])
+    m.all_reduce_()
+    from tangentlens.distributed import all_reduce_moments
+
+    all_reduce_moments({"empty": empty}, d=8)
+    return {"count": torch.tensor(m.count), "cov": m.covariance(), "mean": m.mean, "e": empty.mean}
+
+
+def _failing_worker(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("planted failure")
+
+
+def test_moments_all_reduce_on_two_processes_equals_one_pass():
+    out = launch(_moments_worker, 2)
+    one = Moments().update(_data())
+    assert int(out["count"]) == one.count == 300
+    torch.testing.assert_close(out["mean"], one.mean, rtol=0, atol=TOL)
+    torch.testing.assert_close(out["cov"], one.covariance(), rtol=TOL, atol=TOL)
+    torch.testing.assert_close(out["e"], _data()[0].mean(0), rtol=0, atol=TOL)
+
+
+def test_launch_reports_a_failing_rank():
+    with pytest.raises(RuntimeError, match="planted failure"):
+        launch(_failing_worker, 2)
+
+
+def _nnsight_model(folder: str):
+    from tangentlens import models
+
+    return models.load(folder, "nnsight").model
+
+
+def test_run_probe_two_processes_equal_one(tiny_run):
+    from tangentlens.probes.session import fit_bases
+
+    torch.set_num_threads(1)
+    factory = functools.partial(_nnsight_model, str(tiny_run / "step24"))
+    model = factory()
+    g = torch.Generator().manual_seed(1)
+    batches = list(torch.randint(0, 300, (6, 3, 16), generator=g))
+    sites = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_post", "blocks.1.ln1.hook_out"]
+    bases = fit_bases(model, batches, rank=4, sites=sites, progress=False)
+    probes = ("residual", "attention", "gradient", "activation")
+    options = dict(n_controls=100, seed=3, controls="uniform")
+    one = run_probe(factory, batches, bases, probes, world_size=1, **options)
+    two = run_probe(factory, batches, bases, probes, world_size=2, **options)
+    keys = ["probe", "site", "layer", "head", "statistic"]
+    merged = one.merge(two, on=keys, suffixes=("_one", "_two"), validate="1:1")
+    assert len(merged) == len(one) == len(two)
+    assert {"score_share_TT", "energy_ratio", "tangent_share", "n_tokens"} <= set(one["statistic"])
+    pd.testing.assert_series_equal(
+        merged["value_one"], merged["value_two"], check_names=False, rtol=TOL, atol=TOL
+    )
+
+
+def test_run_probe_refuses_too_few_batches(tiny_run):
+    with pytest.raises(ValueError, match="1 batches cannot feed 2 processes"):
+        run_probe(lambda: None, [torch.zeros(1, 4, dtype=torch.long)], None, world_size=2)
+
+
+def test_study_on_two_processes_equals_one(tiny_run, tmp_path):
+    from tangentlens.study import Study, StudyConfig
+
+    cfg = StudyConfig(
+        checkpoints=str(tiny_run),
+        backend="nnsight",
+        rank=4,
+        n_controls=50,
+        n_sequences=8,
+        seq_len=32,
+        batch_size=2,
+        max_chars=40_000,
+        reservoir=64,
+        n_permutations=20,
+        progress=False,
+    )
+    one = Study(cfg).run(tmp_path / "one")
+    two = Study(cfg).run(tmp_path / "two", world_size=2)
+    pd.testing.assert_frame_equal(
+        one.drop(columns="value"), two.drop(columns="value"), check_exact=False
+    )
+    pd.testing.assert_series_equal(one["value"], two["value"], rtol=TOL, atol=TOL)
