@@ -8,8 +8,9 @@ import pandas as pd
 import pytest
 import torch
 from models import ALL_MODELS, CAUSAL, padded_batch, tl_bridge, tokens
+from torch import Tensor
 
-from tangentlens.hooks import Site
+from tangentlens.hooks import Site, get_backend
 from tangentlens.probes import BasisSet, DepthProfile, fit_bases, lm_loss, probe, run
 from tangentlens.probes.activation import Reservoir
 from tangentlens.subspace import TangentBasis
@@ -218,6 +219,48 @@ def test_gradient_moments_match_autograd(arch: str, fitted: dict) -> None:
         "delta_iso_normal",
     } <= stats
     assert all(p.grad is None for p in model.parameters())  # run() leaves .grad alone
+
+
+@pytest.mark.parametrize("arch", ALL_MODELS)
+@pytest.mark.parametrize(
+    "site", [Site(1, "resid_pre"), Site(1, "resid_mid"), Site(0, "resid_post")]
+)
+def test_residual_gradients_are_the_full_derivative(arch: str, site: Site) -> None:
+    """The gradient read at a site is ∂L/∂(residual stream): a finite difference of the
+    loss along it, with the whole stream moved, gives its norm. (On TL bridges resid_mid's
+    own hook point sees only the MLP branch; the backend reads attn_out instead.)"""
+    model, be = tl_bridge(arch), get_backend(tl_bridge(arch))
+    if site not in be.sites():
+        pytest.skip(f"{arch} has no {site.kind}")
+    ids = tokens(arch, 2, 8)
+
+    def loss() -> Tensor:
+        return model(ids).pow(2).sum() if arch == "bert" else lm_loss(model, ids)
+
+    seen = {}
+    handle = be.add_backward_hook(site, lambda g: seen.setdefault("g", g.detach().double()))
+    try:
+        loss().backward()
+    finally:
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+    g = seen["g"]
+    v = g / g.norm()
+    # move the whole stream: resid_mid = resid_pre + attn_out in a pre-norm block
+    moved = site.hook_name
+    if site.kind == "resid_mid" and arch != "bert":
+        moved = f"blocks.{site.layer}.hook_attn_out"
+
+    def shifted(eps: float) -> float:
+        def hook(x, hook):
+            return x + (eps * v).to(x.dtype)
+
+        with torch.no_grad(), model.hooks(fwd_hooks=[(moved, hook)]):
+            return float(loss())
+
+    eps = 1e-2
+    derivative = (shifted(eps) - shifted(-eps)) / (2 * eps)
+    assert derivative == pytest.approx(float(g.norm()), rel=2e-3)
 
 
 def test_encoder_gradient_needs_a_loss(fitted: dict) -> None:

@@ -113,12 +113,36 @@ class TransformerLensBackend:
                     if name in hook_dict and self._usable(kind, layer, name):
                         self._points[Site(layer, kind)] = hook_dict[name]
                         break
+        # Where gradients are read. On TL 4.x bridges resid_mid is ln2.hook_in, which sits on
+        # the MLP branch only: its backward misses the skip path. In a pre-norm block
+        # resid_mid = resid_pre + attn_out, so ∂L/∂attn_out is the full ∂L/∂resid_mid.
+        self._grad_points = dict(self._points)
+        for layer in range(self.n_layers):
+            mid, attn_out = Site(layer, "resid_mid"), Site(layer, "attn_out")
+            ln2_in = hook_dict.get(f"blocks.{layer}.ln2.hook_in")
+            if (
+                mid in self._points
+                and attn_out in self._points
+                and self._points[mid] is ln2_in
+                and self._pre_norm(layer)
+            ):
+                self._grad_points[mid] = self._points[attn_out]
 
     def _usable(self, kind: str, layer: int, name: str) -> bool:
         if kind != "attn_in" or name.endswith("attn.hook_in"):
             return True
         # TL 3.x: hook_normalized is W_Q's input only when the norm has no affine.
         return type(self.model.blocks[layer].ln1).__name__.endswith("Pre")
+
+    def _pre_norm(self, layer: int) -> bool:
+        """ln1 is applied before attention (not inside it, as in BERT's post-norm)."""
+        block = self.model.blocks[layer]
+        ln1, attn = getattr(block, "ln1", None), getattr(block, "attn", None)
+        if ln1 is None or attn is None:
+            return False
+        ln_module = getattr(ln1, "original_component", None) or ln1
+        attn_module = getattr(attn, "original_component", None) or attn
+        return not any(m is ln_module for m in attn_module.modules())
 
     # ------------------------------------------------------------------ facts
     @property
@@ -147,13 +171,19 @@ class TransformerLensBackend:
         return self._add(site, fn, "fwd")
 
     def add_backward_hook(self, site: Site, fn: TensorFn) -> _TLHandle:
+        """``fn`` gets the full ∂L/∂activation (for a bridge's resid_mid: read at attn_out,
+        whose gradient equals it, since ln2.hook_in only sees the MLP branch)."""
+
         def observe(grad: Tensor) -> None:
             fn(grad)
 
-        return self._add(site, observe, "bwd")
+        self.hook_point(site)  # validates the site
+        return self._add(site, observe, "bwd", self._grad_points[site.without_head()])
 
-    def _add(self, site: Site, fn: TensorFn, direction: str) -> _TLHandle:
-        hook_point = self.hook_point(site)
+    def _add(
+        self, site: Site, fn: TensorFn, direction: str, hook_point: Any | None = None
+    ) -> _TLHandle:
+        hook_point = self.hook_point(site) if hook_point is None else hook_point
 
         def hook(tensor: Tensor, *, hook: Any) -> Tensor | None:
             return fn(tensor)
