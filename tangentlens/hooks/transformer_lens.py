@@ -10,8 +10,10 @@ bridges and the post-softmax pattern on native and BERT bridges (never read here
 ``hook_q``/``hook_k`` are before rotary (rotary comes from the HF module itself);
 ``ln1.hook_normalized`` is before the norm's affine, so the attention input is read
 at ``attn.hook_in``, the exact input to W_Q/W_K (``ln1.hook_out`` on pre-norm models,
-the block input on post-norm BERT); ``hook.name`` is the canonical name, so hook
-bodies close over their `Site` instead of reading it.
+the block input on post-norm BERT); ``hook_resid_mid`` is ``ln2.hook_in``, on the MLP
+branch only, so its backward misses the skip path (gradients are read at ``attn_out``
+instead); ``hook.name`` is the canonical name, so hook bodies close over their `Site`
+instead of reading it.
 """
 
 from __future__ import annotations
