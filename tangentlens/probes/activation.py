@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..hooks.sites import Site
 from ..stats import Moments
+from .residual import _row
 
 __all__ = ["ActivationProbe", "Reservoir"]
 
@@ -79,8 +80,6 @@ class ActivationProbe:
             self.reservoirs[site].update(x, mask)
 
     def rows(self) -> list[dict]:
-        from .residual import _row
-
         out = []
         for site, m in self.moments.items():
             if m.count == 0:
