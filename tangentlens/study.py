@@ -590,19 +590,177 @@ def _fisher_ci(r: float, n: int, spearman: bool) -> tuple[float, float]:
     return math.tanh(z - _Z95 * se), math.tanh(z + _Z95 * se)
 
 
-def _share(moments: Moments, basis: Any) -> float:
-    """E‖x Q‖² / E‖x‖² of the vectors behind ``moments`` (uncentred)."""
-    a = moments.second_moment()
-    q = basis.basis_.to(a.device)
-    total = float(torch.trace(a))
-    return float(torch.trace(q.T @ a @ q)) / total if total > 0 else math.nan
-
-
 def _merge(moments: list[Moments]) -> Moments:
     out = Moments()
     for m in moments:
         out.merge(m)
     return out
+
+
+class _Rows:
+    """Accumulates table rows of one checkpoint at a time."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        self.step = 0
+        self.window = ""
+
+    def at(self, step: int, window: str) -> _Rows:
+        self.step, self.window = step, window
+        return self
+
+    def add(
+        self,
+        probe: str,
+        values: Mapping[str, Any],
+        *,
+        rank: int | None = None,
+        site: Site | None = None,
+        cis: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
+        layer = None if site is None else site.layer
+        kind = None if site is None else site.kind
+        for stat, value in values.items():
+            low, high = (cis or {}).get(stat, (math.nan, math.nan))
+            value = math.nan if value is None else float(value)
+            self.rows.append(
+                (f"step{self.step}", self.step, self.window, rank, layer, None, kind, probe, stat,
+                 value, low, high)
+            )  # fmt: skip
+
+    def frame(self) -> Any:
+        import pandas as pd
+
+        frame = pd.DataFrame(self.rows, columns=COLUMNS)
+        for col in ("rank", "layer", "head"):
+            frame[col] = frame[col].astype("Int64")
+        frame["site"] = frame["site"].astype("string")
+        return frame
+
+
+def _fit_bases(
+    cfg: StudyConfig,
+    series: Any,
+    early: list[int],
+    parts: dict[int, _Part],
+    sites: list[Site],
+    out: Path,
+) -> dict[int, dict[Site, Any]]:
+    """Rank → site → Q_T from the pooled early-window activations; saved as `BasisSet`s."""
+    from . import __version__
+    from .probes.session import BasisSet
+    from .subspace import TangentBasis
+
+    pooled = {s: _merge([parts[t].acts[s] for t in early]) for s in sites}
+    provenance = {
+        "model": series.name,
+        "early_steps": early,
+        "weights_hashes": {str(t): parts[t].meta["weights_hash"] for t in early},
+        "sites": [s.hook_name for s in sites],
+        "seed": cfg.seed,
+        "library": f"tangentlens {__version__}",
+        "n_tokens": pooled[sites[0]].count,
+    }
+    bases = {}
+    for k in cfg.ranks:
+        info = {**provenance, "rank": k}
+        bases[k] = {
+            s: TangentBasis.fit(pooled[s], k, provenance={"site": s.hook_name, **info})
+            for s in sites
+        }
+        BasisSet(bases[k], provenance=info).save(out / "bases" / f"rank{k}.safetensors")
+    return bases
+
+
+def _site_rows(
+    rows: _Rows,
+    cfg: StudyConfig,
+    part: _Part,
+    site: Site,
+    bases: dict[int, dict[Site, Any]],
+    reference: Moments,
+) -> None:
+    """Activation and gradient statistics at one residual site of one checkpoint."""
+    from .metrics import effective_rank, isoscore, participation_ratio, twonn_dimension
+    from .significance import energy_test, isotropy_test
+
+    act, grad = part.acts[site], part.grads[site]
+    free = {}
+    if site in part.samples:
+        free["twonn_dimension"] = twonn_dimension(part.samples[site])
+    free |= {
+        "effective_rank": effective_rank(act),
+        "participation_ratio": participation_ratio(act),
+        "isoscore": isoscore(act),
+        "mean_sq_norm": act.trace_second_moment(),
+        "n_tokens": act.count,
+    }
+    rows.add("activation", free, site=site)
+    grad_free = {
+        "grad_isoscore": isoscore(grad),
+        "grad_effective_rank": effective_rank(grad),
+        "n_tokens": grad.count,
+    }
+    rows.add("gradient", grad_free, site=site)
+    for k in cfg.ranks:
+        basis = bases[k][site]
+        energy = energy_test(
+            grad, basis, cfg.n_controls, cfg.seed, cfg.controls, activation_moments=act
+        )
+        iso = isotropy_test(
+            grad,
+            basis,
+            cfg.n_controls,
+            zeta=cfg.zeta,
+            reference=reference,
+            seed=cfg.seed,
+            controls=cfg.controls,
+        )
+        tests = {
+            "tangent_share": energy.tangent_share,
+            "chance_share": energy.chance_share,
+            "energy_ratio": energy.ratio,
+            "p_value": energy.p_value,
+            "normalized_ratio": energy.normalized_ratio,
+            "delta_iso_tangent": iso.delta_tangent,
+            "delta_iso_normal": iso.delta_normal,
+            "iso_statistic": iso.statistic,
+            "isotropy_p_value": iso.p_value,
+        }
+        rows.add("gradient", tests, rank=k, site=site)
+        rows.add("residual", _share_stats(act, basis), rank=k, site=site)
+
+
+def _embedding_rows(
+    rows: _Rows,
+    cfg: StudyConfig,
+    embed: Tensor,
+    prev: Tensor | None,
+    counts: Any,
+    bases: dict[int, Any] | None,
+) -> None:
+    """Frequency–distance statistics, and the split of the update since ``prev``."""
+    from .embedding import frequency_distance, update_split
+
+    site = Site(0, "embed")
+    table = frequency_distance(embed, counts, n_permutations=cfg.n_permutations, seed=cfg.seed)
+    values = dict(zip(table["statistic"], table["value"], strict=True))
+    n_seen = int(values["n_seen"])
+    cis = {
+        stat: _fisher_ci(values[stat], n_seen, stat.startswith("spearman"))
+        for stat in values
+        if re.fullmatch(r"(pearson|spearman)_(mean_all|mean_seen|weighted|norm)", stat)
+    }
+    rows.add("embedding", values, site=site, cis=cis)
+    if prev is None or bases is None:
+        return
+    for k, basis in bases.items():
+        split = update_split(prev, embed, basis, counts)
+        named = {
+            f"update_{stat}" + ("" if bucket == "all" else f"_{bucket}"): value
+            for bucket, stat, value in split.itertuples(index=False)
+        }
+        rows.add("embedding", named, rank=k, site=site)
 
 
 def _analyse(
@@ -614,15 +772,11 @@ def _analyse(
     out: Path,
     progress: bool,
 ) -> tuple[Any, dict[str, Any]]:
-    import pandas as pd
+    """The results table from the parts (deterministic), and the manifest's facts."""
     from tqdm.auto import tqdm
 
     from . import __version__
-    from .embedding import frequency_distance, update_split
-    from .metrics import effective_rank, isoscore, participation_ratio, twonn_dimension
     from .probes.residual import write_basis_site
-    from .probes.session import BasisSet
-    from .significance import energy_test, isotropy_test
 
     start = time.perf_counter()
     steps = series.steps
@@ -632,150 +786,47 @@ def _analyse(
             window[steps[i]] = name
     early = [steps[i] for i in windows["early"]]
     hashes = {s: parts[s].meta["weights_hash"] for s in steps}
-    duplicates = {
-        s: min(t for t in steps if hashes[t] == hashes[s])
-        for s in steps
-        if min(t for t in steps if hashes[t] == hashes[s]) < s
-    }
+    first_with = {}
+    for s in steps:
+        first_with.setdefault(hashes[s], s)
+    duplicates = {s: first_with[hashes[s]] for s in steps if first_with[hashes[s]] != s}
     first = parts[steps[0]]
     n_layers, d = first.meta["n_layers"], first.meta["d_model"]
     _check_ranks(cfg, d)
-    res_sites = sorted(first.grads, key=lambda s: (s.layer, RESIDUAL_KINDS.index(s.kind)))
+    sites = sorted(first.grads, key=lambda s: (s.layer, RESIDUAL_KINDS.index(s.kind)))
     writes = sorted((s for s in first.acts if s.kind in WRITE_KINDS), key=lambda s: s.hook_name)
-    pooled_early = {s: _merge([parts[t].acts[s] for t in early]) for s in res_sites}
-    pooled_grad = {s: _merge([parts[t].grads[s] for t in steps]) for s in res_sites}
-
-    bases: dict[int, dict[Site, Any]] = {}
-    from .subspace import TangentBasis
-
-    provenance = {
-        "model": series.name,
-        "early_steps": early,
-        "weights_hashes": {str(t): hashes[t] for t in early},
-        "sites": [s.hook_name for s in res_sites],
-        "seed": cfg.seed,
-        "library": f"tangentlens {__version__}",
-        "n_tokens": pooled_early[res_sites[0]].count,
-    }
-    for k in cfg.ranks:
-        info = {**provenance, "rank": k}
-        bases[k] = {
-            s: TangentBasis.fit(pooled_early[s], k, provenance={"site": s.hook_name, **info})
-            for s in res_sites
-        }
-        BasisSet(bases[k], provenance=info).save(out / "bases" / f"rank{k}.safetensors")
-
-    rows: list[tuple] = []
-    nan = math.nan
-
-    def add(step: int, rank: int | None, layer: int | None, site: str | None, probe: str,
-            stat: str, value: float, ci: tuple[float, float] = (nan, nan)) -> None:  # fmt: skip
-        value = nan if value is None else float(value)
-        rows.append((f"step{step}", step, window[step], rank, layer, None, site, probe, stat,
-                     value, ci[0], ci[1]))  # fmt: skip
-
+    pooled_grad = {s: _merge([parts[t].grads[s] for t in steps]) for s in sites}
+    bases = _fit_bases(cfg, series, early, parts, sites, out)
     embed_site = Site(0, "resid_pre")
+    embed_bases = {k: b[embed_site] for k, b in bases.items()} if embed_site in sites else None
+
+    rows = _Rows()
     counts_np = counts.numpy()
     prev: Tensor | None = None
-    bar = tqdm(steps, desc="study: statistics", disable=not progress)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_KD_WARNING)
-        for step in bar:
+        for step in tqdm(steps, desc="study: statistics", disable=not progress):
             part = parts[step]
-            meta = part.meta
-            for stat in ("probe_loss", "train_loss", "eval_loss"):
-                if meta.get(stat) is not None:
-                    add(step, None, None, None, "checkpoint", stat, meta[stat])
+            rows.at(step, window[step])
+            losses = ("probe_loss", "train_loss", "eval_loss")
+            rows.add(
+                "checkpoint", {k: part.meta[k] for k in losses if part.meta.get(k) is not None}
+            )
             if step in duplicates:
-                add(step, None, None, None, "checkpoint", "duplicate_of", duplicates[step])
-            for site in res_sites:
-                act, grad, layer = part.acts[site], part.grads[site], site.layer
-                if site in part.samples:
-                    add(step, None, layer, site.kind, "activation", "twonn_dimension",
-                        twonn_dimension(part.samples[site]))  # fmt: skip
-                free = {
-                    "effective_rank": effective_rank(act),
-                    "participation_ratio": participation_ratio(act),
-                    "isoscore": isoscore(act),
-                    "mean_sq_norm": act.trace_second_moment(),
-                    "n_tokens": act.count,
-                }
-                for stat, value in free.items():
-                    add(step, None, layer, site.kind, "activation", stat, value)
-                grad_free = {
-                    "grad_isoscore": isoscore(grad),
-                    "grad_effective_rank": effective_rank(grad),
-                    "n_tokens": grad.count,
-                }
-                for stat, value in grad_free.items():
-                    add(step, None, layer, site.kind, "gradient", stat, value)
-                for k in cfg.ranks:
-                    basis = bases[k][site]
-                    energy = energy_test(
-                        grad, basis, cfg.n_controls, cfg.seed, cfg.controls, activation_moments=act
-                    )
-                    iso = isotropy_test(
-                        grad,
-                        basis,
-                        cfg.n_controls,
-                        zeta=cfg.zeta,
-                        reference=pooled_grad[site],
-                        seed=cfg.seed,
-                        controls=cfg.controls,
-                    )
-                    tests = {
-                        "tangent_share": energy.tangent_share,
-                        "chance_share": energy.chance_share,
-                        "energy_ratio": energy.ratio,
-                        "p_value": energy.p_value,
-                        "normalized_ratio": energy.normalized_ratio,
-                        "delta_iso_tangent": iso.delta_tangent,
-                        "delta_iso_normal": iso.delta_normal,
-                        "iso_statistic": iso.statistic,
-                        "isotropy_p_value": iso.p_value,
-                    }
-                    for stat, value in tests.items():
-                        add(step, k, layer, site.kind, "gradient", stat, value)
-                    share = _share(act, basis)
-                    for stat, value in _share_stats(share, basis).items():
-                        add(step, k, layer, site.kind, "residual", stat, value)
+                rows.add("checkpoint", {"duplicate_of": duplicates[step]})
+            for site in sites:
+                _site_rows(rows, cfg, part, site, bases, pooled_grad[site])
             for k in cfg.ranks:
                 for write in writes:
                     target = write_basis_site(write, bases[k], n_layers)
-                    if target is None:
-                        continue
-                    basis = bases[k][target]
-                    share = _share(part.acts[write], basis)
-                    for stat, value in _share_stats(share, basis).items():
-                        add(step, k, write.layer, write.kind, "residual", stat, value)
+                    if target is not None:
+                        stats = _share_stats(part.acts[write], bases[k][target])
+                        rows.add("residual", stats, rank=k, site=write)
             embed = part.embed.double()
-            table = frequency_distance(
-                embed, counts_np, n_permutations=cfg.n_permutations, seed=cfg.seed
-            )
-            values = dict(zip(table["statistic"], table["value"], strict=True))
-            n_seen = int(values["n_seen"])
-            for stat, value in values.items():
-                ci = (nan, nan)
-                kind = stat.split("_", 1)[0]
-                if (
-                    kind in ("pearson", "spearman")
-                    and "_null_" not in stat
-                    and "p_value" not in stat
-                ):
-                    ci = _fisher_ci(value, n_seen, kind == "spearman")
-                add(step, None, 0, "embed", "embedding", stat, value, ci)
-            if prev is not None and embed_site in res_sites:
-                for k in cfg.ranks:
-                    split = update_split(prev, embed, bases[k][embed_site], counts_np)
-                    for bucket, stat, value in split.itertuples(index=False):
-                        name = f"update_{stat}" + ("" if bucket == "all" else f"_{bucket}")
-                        add(step, k, 0, "embed", "embedding", name, value)
+            _embedding_rows(rows, cfg, embed, prev, counts_np, embed_bases)
             prev = embed
 
-    frame = pd.DataFrame(rows, columns=COLUMNS)
-    for col in ("rank", "layer", "head"):
-        frame[col] = frame[col].astype("Int64")
-    frame["site"] = frame["site"].astype("string")
+    frame = rows.frame()
     notes = []
     if cfg.controls == "normal" and max(cfg.ranks) / d > 0.05:
         notes.append(
@@ -790,7 +841,7 @@ def _analyse(
         "windows": {name: [steps[i] for i in idx] for name, idx in windows.items()},
         "weights_hashes": {str(s): hashes[s] for s in steps},
         "duplicates": {str(s): t for s, t in duplicates.items()},
-        "sites": [s.hook_name for s in res_sites],
+        "sites": [s.hook_name for s in sites],
         "write_sites": [s.hook_name for s in writes],
         "bases": [f"bases/rank{k}.safetensors" for k in cfg.ranks],
         "n_rows": len(frame),
@@ -803,7 +854,12 @@ def _analyse(
     return frame, info
 
 
-def _share_stats(share: float, basis: Any) -> dict[str, float]:
+def _share_stats(moments: Moments, basis: Any) -> dict[str, float]:
+    """Activation energy share in Q_T, E‖x Q‖² / E‖x‖² (uncentred), against chance k/d."""
+    a = moments.second_moment()
+    q = basis.basis_.to(a.device)
+    total = float(torch.trace(a))
+    share = float(torch.trace(q.T @ a @ q)) / total if total > 0 else math.nan
     chance = basis.k / basis.d
     return {"tangent_share": share, "chance_share": chance, "share_ratio": share / chance}
 
@@ -825,10 +881,6 @@ def _write_results(out: Path, frame: Any) -> None:
 
     atomic_write(out / "results.csv", lambda p: frame.to_csv(p, index=False))
     records = frame.astype(object).where(frame.notna(), None).to_dict("records")
-    records = [
-        {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-        for r in records
-    ]
     write_text(out / "results.json", json.dumps(records, default=_json_default) + "\n")
 
 
