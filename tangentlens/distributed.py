@@ -25,7 +25,7 @@ import torch
 
 from .stats import Moments
 
-__all__ = ["all_reduce_session", "free_port", "launch", "run_probe", "shard"]
+__all__ = ["all_reduce_moments", "all_reduce_session", "free_port", "launch", "run_probe", "shard"]
 
 
 def shard(batches: Sequence[Any], rank: int, world_size: int) -> list[Any]:

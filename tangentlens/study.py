@@ -84,6 +84,8 @@ class StudyConfig:
     writes: bool = True  # attn_out / mlp_out activation Moments for the write ratios
     rank: int | tuple[int, ...] = 16
     window_fraction: float = 0.3
+    early: tuple[int, int] | None = None  # inclusive step range; overrides the fraction
+    late: tuple[int, int] | None = None
     n_controls: int = 1000
     controls: str = "normal"
     zeta: float = 0.1
@@ -114,6 +116,16 @@ class StudyConfig:
                 f"StudyConfig.sites must be a non-empty subset of {RESIDUAL_KINDS}; got {sites!r}."
             )
         self.sites = tuple(k for k in RESIDUAL_KINDS if k in sites)
+        for name in ("early", "late"):
+            rng = getattr(self, name)
+            if rng is None:
+                continue
+            if len(rng) != 2 or not all(_is_int(v) for v in rng) or rng[0] > rng[1]:
+                raise ValueError(
+                    f"StudyConfig.{name} must be an inclusive step range (lo, hi) with lo <= hi; "
+                    f"got {rng!r}."
+                )
+            setattr(self, name, (int(rng[0]), int(rng[1])))
         ranks = [self.rank] if isinstance(self.rank, int) else list(self.rank)
         if not ranks or any(not _is_int(r) or r < 1 for r in ranks):
             raise ValueError(
@@ -163,6 +175,8 @@ class StudyConfig:
         d = dataclasses.asdict(self)
         d["sites"] = list(self.sites)
         d["rank"] = self.rank if isinstance(self.rank, int) else list(self.rank)
+        for name in ("early", "late"):
+            d[name] = None if d[name] is None else list(d[name])
         return d
 
     @classmethod
@@ -235,7 +249,7 @@ class Study:
         start = time.perf_counter()
         out = Path(out_dir)
         series = open_series(cfg.checkpoints)
-        windows = series.windows(cfg.window_fraction)
+        windows = series.windows(cfg.window_fraction, early=cfg.early, late=cfg.late)
         _prepare_out_dir(cfg, out)
         with _threads(cfg.num_threads):
             tokens, counts = _probe_set(cfg, series, out)

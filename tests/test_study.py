@@ -57,8 +57,8 @@ def study(series_dir, tmp_path_factory) -> tuple[StudyConfig, Path, pd.DataFrame
 
 # ----------------------------------------------------------------------- config
 def test_config_round_trip_and_normalisation(series_dir):
-    cfg = _config(series_dir, rank=[4, 2, 4], sites=["resid_post", "resid_pre"])
-    assert cfg.rank == (2, 4) and cfg.ranks == (2, 4)
+    cfg = _config(series_dir, rank=[4, 2, 4], sites=["resid_post", "resid_pre"], early=[0, 4])
+    assert cfg.rank == (2, 4) and cfg.ranks == (2, 4) and cfg.early == (0, 4)
     assert cfg.sites == ("resid_pre", "resid_post")
     again = StudyConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg
@@ -73,6 +73,7 @@ def test_config_round_trip_and_normalisation(series_dir):
         ("rank", 0, "rank"),
         ("rank", [], "rank"),
         ("window_fraction", 0.6, "window_fraction"),
+        ("early", (5, 1), "early"),
         ("zeta", 1.5, "zeta"),
         ("controls", "gaussian", "controls"),
         ("n_controls", 0, "n_controls"),
@@ -244,6 +245,27 @@ def test_other_configuration_is_refused(study):
     with pytest.raises(ValueError, match=r"another configuration \(differs in \['zeta'\]\)"):
         Study(replace(cfg, zeta=0.2)).run(out)
     Study(replace(cfg, progress=True)).run(out, progress=False)  # progress is not a result
+
+
+def test_windows_by_step_reuse_the_parts(study, tmp_path):
+    """Parts do not depend on the windows: a study with step windows over copied parts
+    only reruns the analysis."""
+    cfg, out, _ = study
+    new = tmp_path / "by_step"
+    shutil.copytree(out / "parts", new / "parts")
+    shutil.copy(out / "probe_set.safetensors", new)
+    frame = Study(replace(cfg, early=(0, 8), late=(16, 24))).run(new)
+    windows = frame.groupby("step")["window"].first().to_dict()
+    assert [windows[s] for s in STEPS] == ["early"] * 5 + ["middle"] + ["late"] * 2
+    manifest = json.loads((new / "manifest.json").read_text())
+    assert manifest["timings"]["resumed_checkpoints"] == len(STEPS)
+    assert BasisSet.load(new / "bases" / "rank4.safetensors").provenance["early_steps"] == [
+        0,
+        1,
+        2,
+        4,
+        8,
+    ]
 
 
 _RUN = (
