@@ -109,10 +109,15 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
             outcome = queue.get()
         try:
             done = context.join(timeout=0.1)
-        except mp.ProcessRaisedException as err:
+        except mp.ProcessException as err:
             if outcome is None and not queue.empty():
                 outcome = queue.get()
             detail = outcome[1] if outcome and outcome[0] == "error" else str(err)
+            if isinstance(err, mp.ProcessExitedException):
+                detail += (
+                    " (spawned processes re-import the main module: run from a file, with the "
+                    "launch under `if __name__ == '__main__':`)"
+                )
             raise RuntimeError(
                 f"a worker of the {world_size}-process run failed: {detail}"
             ) from None
