@@ -4,9 +4,13 @@ Each Hugging Face architecture is saved with ``save_pretrained`` plus a small
 word-level tokenizer into a folder, then booted as a TransformerLens 4.x bridge
 from that folder. The plain HF folders are reused by the nnsight backend tests.
 
->>> from tests.models import hf_folder, tl_bridge
+>>> from models import hf_folder, tl_bridge  # tests/ is on sys.path under pytest
 >>> model = tl_bridge("llama")            # TransformerBridge, 2 layers, d_model 32
 >>> folder = hf_folder("gpt2")            # a local HF folder (config, weights, tokenizer)
+
+The fixtures ``any_model`` and ``causal_model`` yield ``(name, bridge)``; import them into
+a test module (``from models import any_model  # noqa: F401``) to use them, or
+parametrize over ``ALL_MODELS`` and call ``tl_bridge(name)``.
 """
 
 from __future__ import annotations
