@@ -368,15 +368,32 @@ def _probe_set(cfg: StudyConfig, series: Any, out: Path) -> tuple[Tensor, Tensor
     return tokens, counts
 
 
-def _sample_positions(cfg: StudyConfig, n_seq: int, seq_len: int) -> tuple[Tensor, Tensor]:
-    """(sequence, position) of the TwoNN sample: uniform without replacement, seeded."""
-    import numpy as np
+class _TokenSample:
+    """Activations of a fixed, seeded set of probe tokens (uniform without replacement),
+    for TwoNN. Unlike a streaming reservoir it does not depend on how the tokens are split
+    across batches or processes: each row is written by the one pass that holds its token."""
 
-    total = n_seq * seq_len
-    size = min(cfg.reservoir, total)
-    flat = np.sort(np.random.default_rng(cfg.seed).choice(total, size=size, replace=False))
-    flat_t = torch.as_tensor(flat, dtype=torch.long)
-    return flat_t // seq_len, flat_t % seq_len
+    def __init__(self, cfg: StudyConfig, shape: tuple[int, int], sites: list[Site], d: int):
+        import numpy as np
+
+        n_seq, seq_len = shape
+        size = min(cfg.reservoir, n_seq * seq_len)
+        rng = np.random.default_rng(cfg.seed)
+        flat = torch.as_tensor(np.sort(rng.choice(n_seq * seq_len, size=size, replace=False)))
+        self.seq, self.pos = flat // seq_len, flat % seq_len
+        self.buffers = {s: torch.zeros(size, d) for s in sites} if size else {}
+        self.start = 0  # first probe sequence of the batch being run
+
+    def hook(self, site: Site) -> Any:
+        buffer = self.buffers[site]
+
+        def fn(x: Tensor) -> None:
+            sel = (self.seq >= self.start) & (self.seq < self.start + x.shape[0])
+            if bool(sel.any()):
+                rows = x.detach()[self.seq[sel] - self.start, self.pos[sel]]
+                buffer[sel] = rows.to("cpu", torch.float32)
+
+        return fn
 
 
 # --------------------------------------------------------------------------- collection
@@ -458,24 +475,12 @@ def _collect_one(
     chunks = tokens.split(cfg.batch_size)
     batches = [(j * cfg.batch_size, batch) for j, batch in enumerate(chunks)]
     mine = shard(batches, rank, world_size)
-    seq, pos = _sample_positions(cfg, *tokens.shape) if cfg.reservoir else (None, None)
-    samples = {s: torch.zeros(len(seq), d) for s in sites} if seq is not None else {}
-    current = {"start": 0}
+    sample = _TokenSample(cfg, tokens.shape, sites, d)
     nll = torch.zeros(1, dtype=torch.float64)
-
-    def sampler(buffer: Tensor) -> Any:
-        def hook(x: Tensor) -> None:
-            lo = current["start"]
-            sel = (seq >= lo) & (seq < lo + x.shape[0])
-            if bool(sel.any()):
-                rows = x.detach()[seq[sel] - lo, pos[sel]]
-                buffer[sel] = rows.to("cpu", torch.float32)
-
-        return hook
 
     def feed() -> Iterator[Tensor]:
         for first, batch in mine:
-            current["start"] = first
+            sample.start = first
             yield batch
 
     def loss(m: Any, batch: Any) -> Tensor:
@@ -483,7 +488,7 @@ def _collect_one(
         nll.add_(float(value.detach()))
         return value
 
-    handles = [backend.add_forward_hook(s, sampler(b)) for s, b in samples.items()]
+    handles = [backend.add_forward_hook(s, sample.hook(s)) for s in sample.buffers]
     try:
         session = run(
             model,
@@ -504,8 +509,8 @@ def _collect_one(
 
         all_reduce_moments(acts, d)
         all_reduce_moments(grads, d)
-        for buffer in samples.values():
-            dist.all_reduce(buffer)
+        for buffer in sample.buffers.values():
+            dist.all_reduce(buffer)  # each row is filled on exactly one rank
         dist.all_reduce(nll)
     if rank != 0:
         return None
@@ -514,7 +519,7 @@ def _collect_one(
         for site, m in group.items():
             for key, t in m.state_dict().items():
                 tensors[f"{prefix}/{site.hook_name}/{key}"] = t
-    for site, buffer in samples.items():
+    for site, buffer in sample.buffers.items():
         tensors[f"sample/{site.hook_name}"] = buffer
     tensors["embed"] = loaded.model.get_input_embeddings().weight.detach().float()
     ckpt = series[i]
