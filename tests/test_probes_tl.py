@@ -277,6 +277,17 @@ def test_encoder_gradient_needs_a_loss(fitted: dict) -> None:
     assert frame["value"].notna().all() and len(frame) > 0
 
 
+def test_layers_and_sites_restrict_the_probes(fitted: dict) -> None:
+    model, bases = tl_bridge("gpt2"), fitted["gpt2"]
+    probes = ("residual", "attention", "gradient")
+    frame = run(model, [tokens("gpt2")], bases, probes, layers=1, **OPTS).results()
+    assert set(frame["layer"]) == {1} and set(frame["probe"]) == set(probes)
+    only = run(
+        model, [tokens("gpt2")], bases, ("residual",), sites="blocks.0.hook_resid_post", **OPTS
+    ).results()
+    assert set(zip(only["site"], only["layer"], strict=True)) == {("resid_post", 0)}
+
+
 # ------------------------------------------------------------------ bases
 def test_fit_bases_and_basis_set_round_trip(tmp_path, fitted: dict) -> None:
     bases = fitted["llama"]
