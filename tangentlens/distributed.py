@@ -87,6 +87,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     ``"gloo"``. An exception in any rank is raised here as a `RuntimeError`.
     """
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1; got {world_size!r}.")
@@ -109,11 +110,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
             outcome = queue.get()
         try:
             done = context.join(timeout=0.1)
-        except mp.ProcessException as err:
+        except ProcessException as err:
             if outcome is None and not queue.empty():
                 outcome = queue.get()
             detail = outcome[1] if outcome and outcome[0] == "error" else str(err)
-            if isinstance(err, mp.ProcessExitedException):
+            if isinstance(err, ProcessExitedException):
                 detail += (
                     " (spawned processes re-import the main module: run from a file, with the "
                     "launch under `if __name__ == '__main__':`)"
