@@ -428,7 +428,10 @@ def _wrap(loaded: Any, backend: str) -> Any:
     with quiet_transformers(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bridge = TransformerBridge.boot_transformers(
-            loaded.checkpoint.source, hf_model=loaded.model, tokenizer=loaded.tokenizer
+            loaded.checkpoint.source,
+            hf_model=loaded.model,
+            tokenizer=loaded.tokenizer,
+            revision=loaded.checkpoint.revision,
         )
     return bridge.eval()
 

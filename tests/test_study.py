@@ -207,6 +207,16 @@ def test_files_bases_and_manifest(study, series_dir):
     )
 
 
+def test_depth_profile_reads_a_checkpoint_slice(study):
+    from tangentlens.probes.depth import DepthProfile
+
+    _, _, frame = study
+    one = frame[(frame["step"] == 24) & ((frame["rank"] == 4) | frame["rank"].isna())]
+    profile = DepthProfile(one).to_frame()
+    assert profile.index.tolist() == list(range(N_LAYERS))
+    assert profile[["share_ratio", "energy_ratio", "attn_write_ratio"]].notna().all().all()
+
+
 def test_duplicate_checkpoint_is_flagged(study):
     _, out, frame = study
     dup = frame[frame["statistic"] == "duplicate_of"]
