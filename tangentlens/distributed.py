@@ -6,9 +6,10 @@ reduce to the single-process answer up to float64 rounding (~1e-15 relative):
 >>> results = run_probe(factory, batches, bases, ("residual", "gradient"), world_size=2)
 
 `launch` spawns the processes (``torch.multiprocessing``, ``spawn``) and joins them
-into one group on a free port of 127.0.0.1 (gloo on CPU, NCCL when every rank has a
-GPU); `shard` splits a batch list into contiguous whole batches, so each batch is
-computed exactly as in one process; `all_reduce_session` reduces a `ProbeSession`.
+into one group on a free port of 127.0.0.1: gloo by default (it reduces CPU and CUDA
+tensors alike, and the payload is only d × d per site), NCCL on request; `shard` splits
+a batch list into contiguous whole batches, so each batch is computed exactly as in one
+process; `all_reduce_session` reduces a `ProbeSession`.
 Functions and arguments given to `launch` travel to the children the way
 ``multiprocessing`` sends them (pickled in memory): use module-level functions.
 """
@@ -79,21 +80,19 @@ def _worker(
         dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None) -> Any:
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> Any:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one
     process group; return rank 0's return value.
 
-    ``backend`` defaults to ``"nccl"`` when there are at least ``world_size`` GPUs, else
-    ``"gloo"``. An exception in any rank is raised here as a `RuntimeError`.
+    ``backend``: ``"gloo"`` (default) reduces CPU and CUDA tensors alike, and the reduced
+    statistics are only d × d per site; ``"nccl"`` (one GPU per rank, ``cuda:{rank}``) needs
+    every reduced tensor on the GPU. An exception in any rank is raised as a `RuntimeError`.
     """
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1; got {world_size!r}.")
-    if backend is None:
-        use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-        backend = "nccl" if use_nccl else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl'; got {backend!r}.")
     queue = mp.get_context("spawn").SimpleQueue()
