@@ -107,7 +107,7 @@ def _token_blocks(tokenizer: Any, text: str | None, tokens: int, seq_len: int) -
     return ids[: n_blocks * seq_len].view(n_blocks, seq_len)
 
 
-def probe_checkpoint(
+def _probe_checkpoint(
     model: Any,
     blocks: Any,
     *,
@@ -153,6 +153,15 @@ def probe_checkpoint(
     return results, bases
 
 
+def _context_length(model: Any) -> int | None:
+    """The longest sequence the model takes (TransformerLens ``cfg.n_ctx`` or HF config)."""
+    cfg = getattr(model, "cfg", None)
+    if getattr(cfg, "n_ctx", None):
+        return int(cfg.n_ctx)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
 def _load_model(name: str, backend: str) -> Any:
     """Module-level (picklable) model factory for data-parallel workers."""
     from .models import load
@@ -182,8 +191,13 @@ def cmd_probe(args: argparse.Namespace) -> int:
         probes.append("gradient")
     else:
         print("encoder: no next-token loss, so the gradient probe is skipped", flush=True)
-    blocks = _token_blocks(loaded.tokenizer, args.text, args.tokens, args.seq_len)
-    results, bases = probe_checkpoint(
+    seq_len = args.seq_len
+    context = _context_length(loaded.model)
+    if context is not None and seq_len > context:
+        print(f"--seq-len {seq_len} exceeds the model's context; using {context}", flush=True)
+        seq_len = context
+    blocks = _token_blocks(loaded.tokenizer, args.text, args.tokens, seq_len)
+    results, bases = _probe_checkpoint(
         loaded.model,
         blocks,
         rank=args.rank,
@@ -337,9 +351,9 @@ def _heads(args: argparse.Namespace, checkpoints: Path, out: Path, table: Any) -
     for step in chosen:
         with quiet_transformers():
             loaded = load(str(series[series.index(step)].source), "transformer_lens")
-        seq_len = min(64, loaded.model.cfg.n_ctx)
+        seq_len = min(64, _context_length(loaded.model) or 64)
         blocks = _token_blocks(loaded.tokenizer, None, 16 * seq_len, seq_len)
-        results, _ = probe_checkpoint(
+        results, _ = _probe_checkpoint(
             loaded.model, blocks, rank=rank, probes=("attention",), progress=not args.quiet
         )
         results = results.assign(
@@ -425,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens",
         metavar="N",
         type=_positive_int,
-        default=2048,
+        default=1024,
         help="tokens probed; as many again fit the bases (%(default)s)",
     )
     probe.add_argument(
@@ -435,7 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", metavar="N", type=_positive_int, default=8, help="rows per batch (8)"
     )
     probe.add_argument(
-        "--controls", metavar="N", type=_positive_int, default=1000, help="normal controls (1000)"
+        "--controls",
+        metavar="N",
+        type=_positive_int,
+        default=200,
+        help="normal controls per test (200)",
     )
     probe.add_argument(
         "--world-size",

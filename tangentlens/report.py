@@ -313,7 +313,7 @@ def _heatmap(t: pd.DataFrame) -> tuple[Figure, str] | None:
         if grid.shape[0] > 16:
             for lbl in ax.get_yticklabels()[1::2]:
                 lbl.set_visible(False)
-        ax.set(xlabel="head", ylabel="layer", title=label)
+        ax.set(xlabel="head", ylabel="layer", title=label if len(grids) > 1 else "")
         if values.size <= 160:
             for (i, j), v in np.ndenumerate(values):
                 if np.isfinite(v):
@@ -605,9 +605,10 @@ def summary(results: Any) -> list[Claim]:
     elif len(ratio):
         mean = float(ratio["value"].mean())
         sig = _significant(pval)
-        claims.append(Claim("Gradient energy ratio (mean over layers)",
+        claims.append(Claim("Gradient energy ratio (one checkpoint, mean over layers)",
                             f"{mean:.2f}× chance" + (f"; {sig}" if sig else ""),
-                            PAPER["energy_early"], _agree(mean > 1)))  # fmt: skip
+                            f"{PAPER['energy_early']}; {PAPER['energy_late']}",
+                            "n/a"))  # fmt: skip
 
     d_t = _pick(t, "delta_iso_tangent", site=site, probe="gradient")
     d_n = _pick(t, "delta_iso_normal", site=site, probe="gradient")
