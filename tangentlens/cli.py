@@ -131,7 +131,8 @@ def _probe_checkpoint(
         raise ValueError(f"--rank {rank} must be below the model width d_model={d_model}")
     half = blocks.shape[0] // 2
     fit_set = list(blocks[:half].split(batch_size))
-    probe_set = list(blocks[half:].split(batch_size))
+    per_process = -(-(blocks.shape[0] - half) // world_size)  # every process gets a batch
+    probe_set = list(blocks[half:].split(min(batch_size, per_process)))
 
     def sites(name: str) -> bool:
         return Site.from_hook_name(name).kind in ("resid_pre", "attn_in")

@@ -123,10 +123,12 @@ def test_errors_in_a_real_process_and_the_debug_switch(tmp_path: Path) -> None:
     )
 
 
+PROBE_TINY = ["--rank", "4", "--tokens", "256", "--seq-len", "32", "--controls", "50", "-q"]
+
+
 def test_probe_on_a_tiny_local_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "probe"
-    code = main(["probe", "--model", str(hf_folder("llama")), "--out", str(out), "--rank", "4",
-                 "--tokens", "256", "--seq-len", "32", "--controls", "50", "-q"])  # fmt: skip
+    code = main(["probe", "--model", str(hf_folder("llama")), "--out", str(out), *PROBE_TINY])
     assert code == 0
     printed = capsys.readouterr().out
     assert "report:" in printed and "energy ratio" in printed
@@ -161,3 +163,17 @@ def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixt
     again = (out / "report.html").read_text()
     assert again.count("data:image/png;base64,") == 6
     assert (out / "figures" / "energy_over_training.png").is_file()
+
+
+def test_probe_data_parallel_equals_one_process(tmp_path: Path) -> None:
+    model = str(hf_folder("llama"))
+    tables = []
+    for world_size in (1, 2):
+        out = tmp_path / f"ws{world_size}"
+        argv = ["probe", "--model", model, "--out", str(out), "--world-size", str(world_size)]
+        assert main([*argv, *PROBE_TINY]) == 0
+        tables.append(pd.read_csv(out / "results.csv"))
+    keys = ["probe", "site", "layer", "head", "statistic"]
+    merged = tables[0].merge(tables[1], on=keys, how="outer", validate="one_to_one")
+    assert len(merged) == len(tables[0]) == len(tables[1])
+    assert (merged["value_x"] - merged["value_y"]).abs().max() < 1e-9
