@@ -33,6 +33,7 @@ __all__ = [
     "FIGURES",
     "PAPER",
     "Claim",
+    "Rendered",
     "format_summary",
     "load_results",
     "plot_depth_profile",
@@ -57,8 +58,6 @@ MANIFEST_FILE = "manifest.json"
 REQUIRED = ("site", "layer", "statistic", "value")
 _OPTIONAL = ("checkpoint", "step", "window", "rank", "probe", "head")
 _MAX_LINES = 6  # beyond this many checkpoints, profiles are drawn per window
-_ID_NAMES = ("twonn_dimension", "twonn", "intrinsic_dimension")
-_ERANK_NAMES = ("effective_rank", "erank")
 CENTRES = {
     "mean_all": "mean of all rows",
     "mean_seen": "mean of seen rows",
@@ -149,11 +148,6 @@ def _pick(
     if probe is not None:
         keep &= (t["probe"] == probe).fillna(False) | t["probe"].isna()
     return t[keep]
-
-
-def _first_name(t: pd.DataFrame, names: tuple[str, ...]) -> str | None:
-    present = set(t["statistic"].unique())
-    return next((n for n in names if n in present), None)
 
 
 def _residual_site(t: pd.DataFrame) -> str:
@@ -478,9 +472,9 @@ def _final(t: pd.DataFrame, statistic: str) -> float | None:
 
 
 def _dimension(t: pd.DataFrame) -> tuple[Figure, str] | None:
-    names = [(_first_name(t, _ID_NAMES), "TwoNN intrinsic dimension")]
-    names.append((_first_name(t, _ERANK_NAMES), "effective rank"))
-    names = [(n, label) for n, label in names if n is not None]
+    present = set(t["statistic"].unique())
+    names = [("twonn_dimension", "TwoNN intrinsic dimension"), ("effective_rank", "effective rank")]
+    names = [(n, label) for n, label in names if n in present]
     if not names:
         return None
     fig, axes = _figure(len(names))
@@ -618,6 +612,11 @@ def summary(results: Any) -> list[Claim]:
         claims.append(Claim("ΔIsoScore*: remove Q_T vs a normal control (mean)",
                             f"{mt:+.3f} vs {mn:+.3f}" + (f"; {sig}" if sig else ""),
                             PAPER["isotropy"], _agree(mt > mn)))  # fmt: skip
+
+    loss = _pick(t, "probe_loss").groupby("step")["value"].mean()
+    if len(loss) >= 2:
+        claims.append(Claim("Probe-set loss (nats), first → last checkpoint",
+                            f"{loss.iloc[0]:.2f} → {loss.iloc[-1]:.2f}", "—", "n/a"))  # fmt: skip
 
     tt = _pick(t, "score_share_TT")
     if len(tt):
