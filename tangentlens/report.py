@@ -263,20 +263,19 @@ def _depth(t: pd.DataFrame) -> tuple[Figure, str] | None:
     for ax in (ax_s, ax_e):
         ax.xaxis.get_major_locator().set_params(integer=True)
     _legend(fig, [ax_s, ax_e])
+    groups = _groups(t)
     parts = []
-    if len(share):
-        by_layer = share.groupby("layer")["value"].mean()
-        parts.append(
-            f"the residual share in Q_T is {by_layer.mean():.2f} on average "
-            f"(chance {chance.mean():.2f})" + (f", highest at layer {by_layer.idxmax():.0f}")
-        )
-    if len(energy):
-        by_layer = energy.groupby("layer")["value"].mean()
-        parts.append(
-            f"gradient energy in Q_T is {by_layer.mean():.2f}× chance on average, "
-            f"{by_layer.max():.2f}× at layer {by_layer.idxmax():.0f}"
-        )
-    return fig, "Across depth, " + "; ".join(parts) + "."
+    for label, g in (groups[0], groups[-1]) if len(groups) > 1 else groups:
+        s = share[share.index.isin(g.index)].groupby("layer")["value"].mean()
+        e = energy[energy.index.isin(g.index)].groupby("layer")["value"].mean()
+        text = []
+        if len(s):
+            text.append(f"residual share in Q_T {s.mean():.2f} (peak at layer {s.idxmax():.0f})")
+        if len(e):
+            text.append(f"gradient energy {e.mean():.2f}× chance (peak at layer {e.idxmax():.0f})")
+        parts.append(f"{label}: " + ", ".join(text))
+    note = f"; chance share {chance.mean():.2f}" if len(chance) else ""
+    return fig, "Mean over layers, " + "; ".join(parts) + note + "."
 
 
 def _heatmap(t: pd.DataFrame) -> tuple[Figure, str] | None:
@@ -622,7 +621,7 @@ def summary(results: Any) -> list[Claim]:
     if len(tt):
         steps = _steps(tt)
         last = tt[tt["step"] == steps[-1]] if steps else tt
-        claims.append(Claim("Attention: TT share of the score (mean over heads)",
+        claims.append(Claim("Attention: TT share of the score (last checkpoint, mean over heads)",
                             f"{last['value'].mean():.3f} (max {last['value'].max():.3f})",
                             "—", "n/a"))  # fmt: skip
     return claims
