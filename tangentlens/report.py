@@ -222,7 +222,8 @@ def _legend(fig: Figure, axes: list) -> None:
             seen.setdefault(label, handle)
     if seen:
         fig.legend(list(seen.values()), list(seen), loc="outside lower center",
-                   ncols=min(6, len(seen)), fontsize=8, frameon=False)  # fmt: skip
+                   ncols=len(seen) if len(seen) <= 5 else -(-len(seen) // 2),
+                   fontsize=8, frameon=False)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- figures
@@ -353,6 +354,10 @@ def _energy(t: pd.DataFrame) -> tuple[Figure, str] | None:
     if len(pval):
         ax_p.set_yscale("log")
         ax_p.axhline(ALPHA, color="#D55E00", ls="--", lw=1.2, label=f"α = {ALPHA}")
+        floor = float(pval["value"].min())
+        if (pval["value"] <= floor * (1 + 1e-9)).mean() > 0.2:  # many tests at the MC floor
+            ax_p.axhline(floor, color="gray", ls=":", lw=1.2,
+                         label=f"smallest p with these controls ({floor:.2g})")  # fmt: skip
     ax_p.set(title="p-value against normal controls", ylabel="p-value (log)")
     _legend(fig, [ax_r, ax_p])
     if len(layers) > 8:
