@@ -14,6 +14,9 @@ from torch import Tensor
 
 __all__ = ["atomic_write", "load_tensors", "save_tensors", "write_json", "write_text"]
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a temporary file beside ``path``, fsync, then rename.
@@ -31,6 +34,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
         ) from err
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file ordinary permissions
     tmp_path = Path(tmp)
     try:
         write(tmp_path)

@@ -117,3 +117,14 @@ def test_corrupt_file_is_a_clear_error(tmp_path):
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_atomic_files_get_ordinary_permissions(tmp_path):
+    import os
+
+    from tangentlens.io import write_text
+
+    path = write_text(tmp_path / "report.html", "<html></html>")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
