@@ -17,21 +17,67 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["Moments"]
+__all__ = ["Moments", "SharedBatch", "batch_statistics"]
 
 
-def _as_float64_rows(x: Tensor | object, name: str = "x") -> Tensor:
+@torch.no_grad()
+def batch_statistics(x: Tensor, mask: Tensor | None = None) -> tuple[int, Tensor, Tensor]:
+    """(count, mean, centred scatter) of the rows of ``x`` ``(..., d)``, in float64.
+
+    ``mask`` (shape ``x.shape[:-1]``) keeps positions where it is true.
+    """
     if not isinstance(x, Tensor):
         x = torch.as_tensor(x)
     if x.ndim < 1:
-        raise ValueError(f"{name} must have shape (..., d); got a scalar. Pass vectors as rows.")
-    x = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
-    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x must have shape (..., d); got a scalar. Pass vectors as rows.")
+    if mask is not None:
+        mask = torch.as_tensor(mask, device=x.device).bool()
+        if tuple(mask.shape) != tuple(x.shape[:-1]):
+            raise ValueError(
+                f"mask must have shape x.shape[:-1] = {tuple(x.shape[:-1])}; "
+                f"got {tuple(mask.shape)}."
+            )
+        x = x[mask]
+    rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+    d = rows.shape[1]
+    if rows.shape[0] == 0:
+        return 0, rows.new_zeros(d), rows.new_zeros(d, d)
+    mean = rows.mean(0)
+    centred = rows - mean
+    scatter = centred.T @ centred
+    # NaN or Inf anywhere in the batch reaches its mean or the scatter's diagonal:
+    # an O(d) check instead of a pass over every element.
+    if not bool(torch.isfinite(mean).all() & torch.isfinite(scatter.diagonal()).all()):
         raise ValueError(
-            f"{name} contains NaN or Inf; check the model's dtype (overflow in float16?) "
+            "x contains NaN or Inf; check the model's dtype (overflow in float16?) "
             "or mask the offending positions with mask=."
         )
-    return x
+    return rows.shape[0], mean, scatter
+
+
+class SharedBatch:
+    """`batch_statistics` of the last tensor seen, reused when the next call sees the same
+    memory: a TransformerLens bridge's ``resid_post`` of layer l and ``resid_pre`` of layer
+    l + 1 are views of one tensor. A reference to that tensor is held, so its address
+    cannot be reused while the entry lives; in-place edits bump ``_version`` and miss."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._held: tuple[Tensor, Tensor | None] | None = None
+        self._stats: tuple[int, Tensor, Tensor] | None = None
+
+    @staticmethod
+    def _key_of(t: Tensor | None) -> tuple | None:
+        if t is None:
+            return None
+        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
+
+    def __call__(self, x: Tensor, mask: Tensor | None = None) -> tuple[int, Tensor, Tensor]:
+        key = (self._key_of(x), self._key_of(mask))
+        if self._stats is None or key != self._key:
+            self._stats = batch_statistics(x, mask)
+            self._key, self._held = key, (x, mask)
+        return self._stats
 
 
 class Moments:
@@ -66,32 +112,19 @@ class Moments:
     def update(self, x: Tensor, mask: Tensor | None = None) -> Moments:
         """Add the vectors of ``x`` (shape ``(..., d)``); ``mask`` (shape ``x.shape[:-1]``)
         keeps positions where it is true (e.g. an attention mask dropping padding)."""
-        if not isinstance(x, Tensor):
-            x = torch.as_tensor(x)
-        if mask is not None:
-            mask = torch.as_tensor(mask, device=x.device).bool()
-            if tuple(mask.shape) != tuple(x.shape[:-1]):
-                raise ValueError(
-                    f"mask must have shape x.shape[:-1] = {tuple(x.shape[:-1])}; "
-                    f"got {tuple(mask.shape)}."
-                )
-            x = x[mask]
-        rows = _as_float64_rows(x)
+        return self.add_batch(*batch_statistics(x, mask))
+
+    def add_batch(self, n_b: int, mean_b: Tensor, scatter_b: Tensor) -> Moments:
+        """Fold in a batch given as `batch_statistics` returns it (count, mean, scatter)."""
         if self._mean is None:
-            self._init(rows.shape[1], self._device or rows.device)
-        if rows.shape[1] != self.d:
+            self._init(mean_b.shape[0], self._device or mean_b.device)
+        if mean_b.shape[0] != self.d:
             raise ValueError(
-                f"x has d={rows.shape[1]} but these Moments hold d={self.d}; "
+                f"x has d={mean_b.shape[0]} but these Moments hold d={self.d}; "
                 "use one Moments per site."
             )
-        if rows.shape[0] == 0:
-            return self
-        rows = rows.to(self._device)
-        n_b = rows.shape[0]
-        mean_b = rows.mean(0)
-        centred = rows - mean_b
-        scatter_b = centred.T @ centred
-        self._combine(n_b, mean_b, scatter_b)
+        if n_b:
+            self._combine(n_b, mean_b.to(self._device), scatter_b.to(self._device))
         return self
 
     def _combine(self, n_b: int, mean_b: Tensor, scatter_b: Tensor) -> None:

@@ -125,3 +125,20 @@ def test_all_reduce_without_distributed_is_noop():
     before = m.covariance().clone()
     m.all_reduce_()
     torch.testing.assert_close(m.covariance(), before)
+
+
+def test_shared_batch_reuses_only_the_same_unchanged_memory():
+    from tangentlens.stats import SharedBatch, batch_statistics
+
+    shared = SharedBatch()
+    x = torch.randn(2, 5, 3)
+    first = shared(x)
+    assert shared(x.view(10, 3).view(2, 5, 3)) is first  # a view of the same memory
+    x.add_(1.0)  # an in-place edit bumps the version: recomputed
+    again = shared(x)
+    assert again is not first
+    torch.testing.assert_close(again[1], batch_statistics(x)[1])
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    assert shared(x, mask) is not again  # another mask, another entry
+    m = Moments().add_batch(*shared(x, mask))
+    torch.testing.assert_close(m.covariance(), Moments().update(x).covariance())

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..hooks.sites import Site
-from ..stats import Moments
+from ..stats import Moments, SharedBatch
 from .residual import _row
 
 __all__ = ["ActivationProbe", "Reservoir"]
@@ -64,6 +64,7 @@ class ActivationProbe:
         if not isinstance(reservoir, int) or reservoir < 0:
             raise ValueError(f"reservoir must be an int >= 0 (0: no sample); got {reservoir!r}.")
         self.moments: dict[Site, Moments] = {s: Moments() for s in sites}
+        self._shared = SharedBatch()
         self.reservoirs: dict[Site, Reservoir] = (
             {s: Reservoir(reservoir, seed=seed + i) for i, s in enumerate(sites)}
             if reservoir
@@ -75,7 +76,7 @@ class ActivationProbe:
         return list(self.moments)
 
     def update(self, site: Site, x: Tensor, mask: Tensor | None = None) -> None:
-        self.moments[site].update(x, mask)
+        self.moments[site].add_batch(*self._shared(x, mask))
         if site in self.reservoirs:
             self.reservoirs[site].update(x, mask)
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from ..hooks.sites import RESIDUAL_KINDS, Site
-from ..stats import Moments
+from ..stats import Moments, SharedBatch
 from ..subspace import TangentBasis
 from .residual import _row
 
@@ -54,13 +54,14 @@ class GradientProbe:
         self.seed = seed
         self.controls = controls
         self.moments: dict[Site, Moments] = {s: Moments() for s in bases}
+        self._shared = SharedBatch()
 
     @property
     def sites(self) -> list[Site]:
         return list(self.bases)
 
     def update(self, site: Site, grad: Tensor, mask: Tensor | None = None) -> None:
-        self.moments[site].update(grad, mask)
+        self.moments[site].add_batch(*self._shared(grad, mask))
 
     def rows(self, activation_moments: Mapping[Site, Moments] | None = None) -> list[dict]:
         from ..significance import energy_test, isotropy_test

@@ -327,7 +327,8 @@ class ProbeSession:
             raise errors[0]
 
     def _on_inputs(self, mask: Tensor | None) -> None:
-        self._mask = mask
+        # bool once per pass, so every site sees the same mask tensor (see SharedBatch)
+        self._mask = None if mask is None else mask.bool()
 
     def _mask_for(self, site: Site, x: Tensor) -> Tensor | None:
         mask = self._mask
