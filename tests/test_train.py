@@ -129,8 +129,9 @@ def test_rerun_checks_folders_it_would_rewrite(tiny_run, tmp_path):
         train(TrainConfig.tiny(), out, progress=False)
 
 
-def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
-    cfg = TrainConfig.tiny(max_steps=120, checkpoint_every=16, dropout=0.1)  # RNG matters
+@pytest.mark.parametrize("kill_after", ["step8", "step40"])
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, kill_after):
+    cfg = TrainConfig.tiny(max_steps=240, checkpoint_every=16, dropout=0.1)  # RNG matters
     reference = train(cfg, tmp_path / "reference", progress=False)
     out = tmp_path / "killed"
     script = (
@@ -146,8 +147,11 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     )
     try:
         deadline = time.monotonic() + 120
-        while not (out / "step8").exists():
-            assert proc.poll() is None, "the training subprocess ended early"
+        while True:
+            ended = proc.poll() is not None  # read before the folder: no race with the exit
+            if (out / kill_after).exists():
+                break
+            assert not ended, "the training subprocess ended early"
             assert time.monotonic() < deadline, "the training subprocess made no checkpoint"
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
