@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 __all__ = ["atomic_write", "load_tensors", "save_tensors", "write_json", "write_text"]
 
+T = TypeVar("T")
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -76,6 +78,15 @@ def load_tensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             f"{path} is corrupt or truncated ({err}); delete it and re-create it."
         ) from err
     return tensors, meta
+
+
+def dataclass_from_dict(cls: type[T], d: Mapping[str, Any]) -> T:
+    """``cls(**d)`` for a config dataclass, refusing unknown keys with a clear message."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys {unknown}; valid keys are {sorted(known)}.")
+    return cls(**d)
 
 
 def tensor_hash(tensors: dict[str, Tensor]) -> str:

@@ -37,7 +37,13 @@ from .metrics import _cov_arg, isoscore_from_traces
 from .stats import Moments
 from .subspace import TangentBasis, complement
 
-__all__ = ["EnergyTestResult", "IsotropyTestResult", "energy_test", "isotropy_test"]
+__all__ = [
+    "EnergyTestResult",
+    "IsotropyTestResult",
+    "energy_test",
+    "isotropy_test",
+    "tangent_tests",
+]
 
 Controls = Literal["normal", "uniform"]
 _CHUNK = 512
@@ -327,3 +333,41 @@ def isotropy_test(
         n_controls=n_controls,
         controls=controls,
     )
+
+
+def tangent_tests(
+    gradient_moments: Moments,
+    basis: TangentBasis,
+    *,
+    n_controls: int = 1000,
+    seed: int = 0,
+    controls: Controls = "normal",
+    zeta: float = 0.0,
+    reference: Any | None = None,
+    activation_moments: Moments | None = None,
+) -> dict[str, float]:
+    """Both tests at one site, as the named statistics of a results table."""
+    energy = energy_test(
+        gradient_moments, basis, n_controls, seed, controls, activation_moments=activation_moments
+    )
+    iso = isotropy_test(
+        gradient_moments,
+        basis,
+        n_controls,
+        zeta=zeta,
+        reference=reference,
+        seed=seed,
+        controls=controls,
+    )
+    out = {
+        "tangent_share": energy.tangent_share,
+        "chance_share": energy.chance_share,
+        "energy_ratio": energy.ratio,
+        "p_value": energy.p_value,
+        "normalized_ratio": energy.normalized_ratio,
+        "delta_iso_tangent": iso.delta_tangent,
+        "delta_iso_normal": iso.delta_normal,
+        "iso_statistic": iso.statistic,
+        "isotropy_p_value": iso.p_value,
+    }
+    return {k: v for k, v in out.items() if v is not None}

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from .hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site
-from .io import load_tensors, save_tensors, tensor_hash, write_json, write_text
+from .io import dataclass_from_dict, load_tensors, save_tensors, tensor_hash, write_json, write_text
 from .stats import Moments
 
 __all__ = ["COLUMNS", "Study", "StudyConfig", "load_results", "open_series"]
@@ -181,11 +181,7 @@ class StudyConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StudyConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown StudyConfig keys {unknown}; valid keys are {sorted(known)}.")
-        return cls(**d)
+        return dataclass_from_dict(cls, d)
 
 
 def _is_int(value: Any) -> bool:
@@ -704,7 +700,7 @@ def _site_rows(
 ) -> None:
     """Activation and gradient statistics at one residual site of one checkpoint."""
     from .metrics import effective_rank, isoscore, participation_ratio, twonn_dimension
-    from .significance import energy_test, isotropy_test
+    from .significance import tangent_tests
 
     act, grad = part.acts[site], part.grads[site]
     free = {}
@@ -726,29 +722,16 @@ def _site_rows(
     rows.add("gradient", grad_free, site=site)
     for k in cfg.ranks:
         basis = bases[k][site]
-        energy = energy_test(
-            grad, basis, cfg.n_controls, cfg.seed, cfg.controls, activation_moments=act
-        )
-        iso = isotropy_test(
+        tests = tangent_tests(
             grad,
             basis,
-            cfg.n_controls,
-            zeta=cfg.zeta,
-            reference=reference,
+            n_controls=cfg.n_controls,
             seed=cfg.seed,
             controls=cfg.controls,
+            zeta=cfg.zeta,
+            reference=reference,
+            activation_moments=act,
         )
-        tests = {
-            "tangent_share": energy.tangent_share,
-            "chance_share": energy.chance_share,
-            "energy_ratio": energy.ratio,
-            "p_value": energy.p_value,
-            "normalized_ratio": energy.normalized_ratio,
-            "delta_iso_tangent": iso.delta_tangent,
-            "delta_iso_normal": iso.delta_normal,
-            "iso_statistic": iso.statistic,
-            "isotropy_p_value": iso.p_value,
-        }
         rows.add("gradient", tests, rank=k, site=site)
         rows.add("residual", _share_stats(act, basis), rank=k, site=site)
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .checkpoints import METADATA_FILE, quiet_transformers
-from .io import load_tensors, save_tensors, tensor_hash, write_json
+from .io import dataclass_from_dict, load_tensors, save_tensors, tensor_hash, write_json
 
 __all__ = ["TrainConfig", "checkpoint_steps", "train"]
 
@@ -166,11 +166,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown TrainConfig keys {unknown}; valid keys are {sorted(known)}.")
-        return cls(**d)
+        return dataclass_from_dict(cls, d)
 
 
 # --------------------------------------------------------------------------- parts

@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from .sites import Site
@@ -102,3 +103,21 @@ def _is_transformer_lens(model: Any) -> bool:
         and hasattr(model, "hook_dict")
         and hasattr(model, "run_with_hooks")
     )
+
+
+def embedding_leaf(
+    fn: Callable[[Tensor], None] | None, force: bool
+) -> Callable[[Tensor], Tensor | None]:
+    """A forward hook for the embedding output: replace it by a leaf that requires grad
+    when grad mode is on and it does not already (``force``: always), so backward hooks
+    fire on frozen models and gradients can be taken with respect to it."""
+
+    def make_leaf(x: Tensor) -> Tensor | None:
+        if not torch.is_grad_enabled() or (x.requires_grad and not force):
+            return None
+        leaf = x.detach().requires_grad_(True)
+        if fn is not None:
+            fn(leaf)
+        return leaf
+
+    return make_leaf

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .base import TensorFn
+from .base import TensorFn, embedding_leaf
 from .sites import KINDS, Site
 
 __all__ = [
@@ -353,15 +353,7 @@ class NNsightBackend:
         and it does not already (``force``: always), so backward hooks fire on frozen
         models. Runs before any other hook on that module."""
 
-        def make_leaf(x: Tensor) -> Tensor | None:
-            if not torch.is_grad_enabled() or (x.requires_grad and not force):
-                return None
-            leaf = x.detach().requires_grad_(True)
-            if fn is not None:
-                fn(leaf)
-            return leaf
-
-        return self._hook(Site(0, "embed"), make_leaf, prepend=True)
+        return self._hook(Site(0, "embed"), embedding_leaf(fn, force), prepend=True)
 
     # -------------------------------------------------------------- attention
     def attention_params(self, layer: int) -> Any:

@@ -22,10 +22,9 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from .base import TensorFn
+from .base import TensorFn, embedding_leaf
 from .sites import KINDS, Site, missing_site_error
 
 __all__ = ["TransformerLensBackend", "hook_counts"]
@@ -210,15 +209,7 @@ class TransformerLensBackend:
         """Replace the embedding output by a leaf that requires grad when grad mode is on
         and it does not already (``force``: always, to take gradients w.r.t. it)."""
 
-        def make_leaf(x: Tensor) -> Tensor | None:
-            if not torch.is_grad_enabled() or (x.requires_grad and not force):
-                return None
-            leaf = x.detach().requires_grad_(True)
-            if fn is not None:
-                fn(leaf)
-            return leaf
-
-        return self._add(Site(0, "embed"), make_leaf, "fwd")
+        return self._add(Site(0, "embed"), embedding_leaf(fn, force), "fwd")
 
     # -------------------------------------------------------------- attention
     def attention_params(self, layer: int) -> Any:

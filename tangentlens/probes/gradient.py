@@ -64,35 +64,21 @@ class GradientProbe:
         self.moments[site].add_batch(*self._shared(grad, mask))
 
     def rows(self, activation_moments: Mapping[Site, Moments] | None = None) -> list[dict]:
-        from ..significance import energy_test, isotropy_test
+        from ..significance import tangent_tests
 
         out = []
         for site, grads in self.moments.items():
             if grads.count == 0:
                 continue
-            basis = self.bases[site]
             acts = (activation_moments or {}).get(site)
-            energy = energy_test(
+            values = tangent_tests(
                 grads,
-                basis,
+                self.bases[site],
                 n_controls=self.n_controls,
                 seed=self.seed,
                 controls=self.controls,
                 activation_moments=acts if acts is not None and acts.count else None,
             )
-            iso = isotropy_test(
-                grads, basis, n_controls=self.n_controls, seed=self.seed, controls=self.controls
-            )
-            values = {
-                "tangent_share": energy.tangent_share,
-                "chance_share": energy.chance_share,
-                "energy_ratio": energy.ratio,
-                "p_value": energy.p_value,
-                "normalized_ratio": energy.normalized_ratio,
-                "delta_iso_tangent": iso.delta_tangent,
-                "delta_iso_normal": iso.delta_normal,
-                "isotropy_p_value": iso.p_value,
-                "n_tokens": float(grads.count),
-            }
-            out += [_row(self.name, site, k, v) for k, v in values.items() if v is not None]
+            values["n_tokens"] = float(grads.count)
+            out += [_row(self.name, site, k, v) for k, v in values.items()]
         return out
