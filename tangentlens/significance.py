@@ -161,7 +161,8 @@ class _ControlAlgebra:
         Every statistic here depends on a frame's span only, so Cholesky-QR
         (Z·L⁻ᵀ with LLᵀ = ZᵀZ) replaces Householder QR: the same span, at GEMM speed.
         """
-        z = torch.randn(n, self.dim, self.k, generator=generator, dtype=torch.float64)
+        # float32 draws (4x faster than float64 here); the frame itself is float64
+        z = torch.randn(n, self.dim, self.k, generator=generator).double()
         chol, info = torch.linalg.cholesky_ex(z.transpose(-2, -1) @ z)
         if bool(info.any()):  # numerically rank-deficient draw: fall back to Householder
             return torch.linalg.qr(z).Q
