@@ -337,7 +337,7 @@ class CheckpointSeries:
                 f"fraction must be in (0, 0.5] so the windows do not overlap; got {fraction}."
             )
         n = len(self)
-        k = math.ceil(fraction * n - 1e-9)
+        k = min(math.ceil(fraction * n - 1e-9), n // 2)  # never overlapping
         out = {"early": list(range(k)), "late": list(range(n - k, n))}
         for name, rng in (("early", early), ("late", late)):
             if rng is not None:
@@ -352,6 +352,11 @@ class CheckpointSeries:
                     f"the {name} window holds {len(idx)} checkpoint(s) ({how}); it needs at "
                     "least 2: add checkpoints, raise the fraction or widen the step range."
                 )
+        shared = sorted(self.steps[i] for i in set(out["early"]) & set(out["late"]))
+        if shared:
+            raise ValueError(
+                f"the early and late windows share steps {shared}; give disjoint step ranges."
+            )
         return out
 
     # ---------------------------------------------------------------- loading

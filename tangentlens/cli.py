@@ -127,8 +127,11 @@ def _probe_checkpoint(
     from .probes.session import fit_bases, run
 
     d_model = get_backend(model).d_model
-    if rank >= d_model:
-        raise ValueError(f"--rank {rank} must be below the model width d_model={d_model}")
+    if 2 * rank > d_model:
+        raise ValueError(
+            f"--rank {rank} is too large for d_model={d_model}: matched-rank normal controls "
+            f"need rank <= d_model / 2 = {d_model // 2}"
+        )
     half = blocks.shape[0] // 2
     fit_set = list(blocks[:half].split(batch_size))
     per_process = -(-(blocks.shape[0] - half) // world_size)  # every process gets a batch

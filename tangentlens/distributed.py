@@ -73,7 +73,9 @@ def _worker(
         if rank == 0:
             queue.put(("ok", _by_value(result)))
     except BaseException as err:
-        if rank == 0 or not isinstance(err, Exception):
+        if isinstance(err, (ValueError, OSError)):  # a user's mistake: its message
+            queue.put(("user-error", str(err)))
+        elif rank == 0 or not isinstance(err, Exception):
             queue.put(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
         raise
     finally:
@@ -86,7 +88,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
 
     ``backend``: ``"gloo"`` (default) reduces CPU and CUDA tensors alike, and the reduced
     statistics are only d × d per site; ``"nccl"`` (one GPU per rank, ``cuda:{rank}``) needs
-    every reduced tensor on the GPU. An exception in any rank is raised as a `RuntimeError`.
+    every reduced tensor on the GPU. A `ValueError` or `OSError` in rank 0 is raised again as
+    a `ValueError` with its message; any other failure as a `RuntimeError`.
     """
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
@@ -112,6 +115,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         except ProcessException as err:
             if outcome is None and not queue.empty():
                 outcome = queue.get()
+            if outcome is not None and outcome[0] == "user-error":
+                raise ValueError(outcome[1]) from None
             detail = outcome[1] if outcome and outcome[0] == "error" else str(err)
             if isinstance(err, ProcessExitedException):
                 detail += (
@@ -123,6 +128,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             ) from None
     if outcome is None and not queue.empty():
         outcome = queue.get()
+    if outcome is not None and outcome[0] == "user-error":
+        raise ValueError(outcome[1])
     if outcome is None or outcome[0] != "ok":
         detail = outcome[1] if outcome else "rank 0 returned nothing"
         raise RuntimeError(f"a worker of the {world_size}-process run failed: {detail}")

@@ -256,7 +256,7 @@ def _depth(t: pd.DataFrame) -> tuple[Figure, str] | None:
     chance = _pick(t, "chance_share", site=site, probe="residual")["value"]
     if len(chance):
         ax_s.axhline(float(chance.mean()), color="gray", ls=":", lw=1.2, label="chance (k/d)")
-    ax_e.axhline(1.0, color="gray", ls=":", lw=1.2, label="chance (1)")
+    ax_e.axhline(1.0, color="gray", ls=":", lw=1.2, label="normal controls (1)")
     ax_s.set(title=f"Residual stream ({site}): energy share in Q_T", xlabel="layer")
     ax_s.set_ylabel("tangent share")
     ax_e.set(title="Gradient energy in Q_T over matched normal controls", xlabel="layer")
@@ -273,7 +273,9 @@ def _depth(t: pd.DataFrame) -> tuple[Figure, str] | None:
         if len(s):
             text.append(f"residual share in Q_T {s.mean():.2f} (peak at layer {s.idxmax():.0f})")
         if len(e):
-            text.append(f"gradient energy {e.mean():.2f}× chance (peak at layer {e.idxmax():.0f})")
+            text.append(
+                f"gradient energy {e.mean():.2f}× the controls (peak at layer {e.idxmax():.0f})"
+            )
         parts.append(f"{label}: " + ", ".join(text))
     note = f"; chance share {chance.mean():.2f}" if len(chance) else ""
     return fig, "Mean over layers, " + "; ".join(parts) + note + "."
@@ -368,7 +370,8 @@ def _energy(t: pd.DataFrame) -> tuple[Figure, str] | None:
     else:
         trend = "weaker" if late < early else "stronger"
         reading = (
-            f"Mean gradient energy ratio is {early:.2f}× chance in the early window and "
+            f"Mean gradient energy ratio is {early:.2f}× the normal controls in the early "
+            "window and "
             f"{late:.2f}× in the late window: the tangent concentration is {trend} late."
         )
     return fig, reading
@@ -595,16 +598,16 @@ def summary(results: Any) -> list[Claim]:
         sig_e = _significant(pval[pval["window"] == "early"])
         sig_l = _significant(pval[pval["window"] == "late"])
         claims.append(Claim("Gradient energy ratio, early window (mean over layers)",
-                            f"{early:.2f}× chance" + (f"; {sig_e}" if sig_e else ""),
+                            f"{early:.2f}× controls" + (f"; {sig_e}" if sig_e else ""),
                             PAPER["energy_early"], _agree(early > 1)))  # fmt: skip
         claims.append(Claim("Gradient energy ratio, late window",
-                            f"{late:.2f}× chance" + (f"; {sig_l}" if sig_l else ""),
+                            f"{late:.2f}× controls" + (f"; {sig_l}" if sig_l else ""),
                             PAPER["energy_late"], _agree(late < early)))  # fmt: skip
     elif len(ratio):
         mean = float(ratio["value"].mean())
         sig = _significant(pval)
         claims.append(Claim("Gradient energy ratio (one checkpoint, mean over layers)",
-                            f"{mean:.2f}× chance" + (f"; {sig}" if sig else ""),
+                            f"{mean:.2f}× controls" + (f"; {sig}" if sig else ""),
                             f"{PAPER['energy_early']}; {PAPER['energy_late']}",
                             "n/a"))  # fmt: skip
 

@@ -76,7 +76,8 @@ class SharedBatch:
         key = (self._key_of(x), self._key_of(mask))
         if self._stats is None or key != self._key:
             self._stats = batch_statistics(x, mask)
-            self._key, self._held = key, (x, mask)
+            # detached: the same storage keeps the key valid, without keeping a graph alive
+            self._key, self._held = key, (x.detach(), mask)
         return self._stats
 
 

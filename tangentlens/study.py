@@ -14,8 +14,9 @@
    the statistics are all-reduced (`tangentlens.distributed`).
 3. **Analysis** from the parts alone (deterministic): per site one rank-k PCA Q_T of the
    pooled early-window activations (``bases/rank{k}.safetensors``), then per checkpoint
-   the energy and isotropy tests (IsoScore* reference: the gradient covariance pooled over
-   all checkpoints at that site), activation shares (the depth profile), intrinsic
+   the energy and isotropy tests (IsoScore* reference: the trace-normalised gradient
+   covariance averaged over all checkpoints at that site, scaled to each checkpoint's
+   trace), activation shares (the depth profile), intrinsic
    dimension, effective rank, IsoScore, frequency–distance correlations and the tangent
    share of the embedding update. ``results.csv``, ``results.json`` and ``manifest.json``.
 
@@ -264,6 +265,7 @@ class Study:
                 _collect(cfg, series, todo, out, tokens, 0, 1, progress)
             collect_s = time.perf_counter() - start
             parts = {c.step: _load_part(_part_path(out, c.step)) for c in series}
+            _check_parts_match(series, parts)
             frame, info = _analyse(cfg, series, windows, parts, counts, out, progress)
         _write_results(out, frame)
         manifest = {
@@ -324,14 +326,17 @@ def _prepare_out_dir(cfg: StudyConfig, out: Path) -> None:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is corrupt ({err}); delete it or use another --out.") from err
         saved.pop("progress", None)
-        if saved != json.loads(json.dumps(mine)):
+        if saved == json.loads(json.dumps(mine)):
+            return
+        if any((out / "parts").glob("step*.safetensors")):
             diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
             raise ValueError(
                 f"{out} holds a study with another configuration (differs in {diff}); "
                 "rerun with the same configuration to resume, or choose another output folder."
             )
-    else:
-        write_json(path, mine)
+        # nothing computed yet (e.g. the first run failed a check): start afresh
+        (out / PROBE_FILE).unlink(missing_ok=True)
+    write_json(path, mine)
 
 
 # --------------------------------------------------------------------------- probe set
@@ -393,6 +398,18 @@ class _TokenSample:
 
 
 # --------------------------------------------------------------------------- collection
+def _check_parts_match(series: Any, parts: dict[int, Any]) -> None:
+    """A resumed part must come from the weights the checkpoint holds now (checked where
+    the checkpoint records its weights hash, as the trainer's do)."""
+    for c in series:
+        expected = c.metadata.get("weights_hash")
+        if expected and parts[c.step].meta["weights_hash"] != expected:
+            raise ValueError(
+                f"parts/step{c.step}.safetensors was computed from other weights than "
+                f"{c.source} holds now (retrained?); use a new output folder."
+            )
+
+
 def _part_path(out: Path, step: int) -> Path:
     return out / "parts" / f"step{step}.safetensors"
 
@@ -608,6 +625,16 @@ def _fisher_ci(r: float, n: int, spearman: bool) -> tuple[float, float]:
     return math.tanh(z - _Z95 * se), math.tanh(z + _Z95 * se)
 
 
+def _pooled_shape(moments: list[Moments]) -> Tensor:
+    """Mean over checkpoints of the trace-normalised gradient covariance C/tr(C): each
+    checkpoint weighs the same, whatever its gradient scale."""
+    shapes = []
+    for m in moments:
+        c = m.covariance(ddof=1)
+        shapes.append(c / torch.trace(c))
+    return torch.stack(shapes).mean(0)
+
+
 def _merge(moments: list[Moments]) -> Moments:
     out = Moments()
     for m in moments:
@@ -696,7 +723,7 @@ def _site_rows(
     part: _Part,
     site: Site,
     bases: dict[int, dict[Site, Any]],
-    reference: Moments,
+    pooled_shape: Tensor,
 ) -> None:
     """Activation and gradient statistics at one residual site of one checkpoint."""
     from .metrics import effective_rank, isoscore, participation_ratio, twonn_dimension
@@ -720,6 +747,10 @@ def _site_rows(
         "n_tokens": grad.count,
     }
     rows.add("gradient", grad_free, site=site)
+    # IsoScore* reference: the pooled gradient covariance, rescaled to this checkpoint's
+    # trace (gradient scale falls ~1000x in training; unscaled, the reference would swamp
+    # the late checkpoints' own covariance).
+    reference = pooled_shape * torch.trace(grad.covariance(ddof=1))
     for k in cfg.ranks:
         basis = bases[k][site]
         tests = tangent_tests(
@@ -800,7 +831,7 @@ def _analyse(
     _check_ranks(cfg, d)
     sites = sorted(first.grads, key=lambda s: (s.layer, RESIDUAL_KINDS.index(s.kind)))
     writes = sorted((s for s in first.acts if s.kind in WRITE_KINDS), key=lambda s: s.hook_name)
-    pooled_grad = {s: _merge([parts[t].grads[s] for t in steps]) for s in sites}
+    pooled_shape = {s: _pooled_shape([parts[t].grads[s] for t in steps]) for s in sites}
     bases = _fit_bases(cfg, series, early, parts, sites, out)
     embed_site = Site(0, "resid_pre")
     embed_bases = {k: b[embed_site] for k, b in bases.items()} if embed_site in sites else None
@@ -820,7 +851,7 @@ def _analyse(
             if step in duplicates:
                 rows.add("checkpoint", {"duplicate_of": duplicates[step]})
             for site in sites:
-                _site_rows(rows, cfg, part, site, bases, pooled_grad[site])
+                _site_rows(rows, cfg, part, site, bases, pooled_shape[site])
             for k in cfg.ranks:
                 for write in writes:
                     target = write_basis_site(write, bases[k], n_layers)

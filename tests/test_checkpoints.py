@@ -65,7 +65,10 @@ def test_hf_checkpoint_folders_with_parent_tokenizer(run, tmp_path):
 def test_windows_by_index_and_by_step():
     series = _fake_series(7, [0, 1, 2, 4, 8, 16, 32])
     assert series.windows() == {"early": [0, 1, 2], "late": [4, 5, 6]}
-    assert series.windows(0.5) == {"early": [0, 1, 2, 3], "late": [3, 4, 5, 6]}
+    # never overlapping, even when half of an odd count rounds up
+    assert series.windows(0.5) == {"early": [0, 1, 2], "late": [4, 5, 6]}
+    with pytest.raises(ValueError, match="share steps"):
+        series.windows(early=(0, 8), late=(8, 32))
     ranged = series.windows(early=(0, 1), late=(10, 100))
     assert ranged == {"early": [0, 1], "late": [5, 6]}
     with pytest.raises(ValueError, match="at least 2") as err:

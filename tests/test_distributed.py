@@ -56,6 +56,11 @@ def _failing_worker(rank: int, world_size: int) -> None:
         raise ValueError("planted failure")
 
 
+def _crashing_worker(rank: int, world_size: int) -> None:
+    if rank == 0:
+        raise KeyError("planted bug")
+
+
 def test_moments_all_reduce_on_two_processes_equals_one_pass():
     out = launch(_moments_worker, 2)
     one = Moments().update(_data())
@@ -66,8 +71,10 @@ def test_moments_all_reduce_on_two_processes_equals_one_pass():
 
 
 def test_launch_reports_a_failing_rank():
-    with pytest.raises(RuntimeError, match="planted failure"):
+    with pytest.raises(ValueError, match="planted failure"):  # a user error keeps its type
         launch(_failing_worker, 2)
+    with pytest.raises(RuntimeError, match="planted bug"):  # anything else: RuntimeError
+        launch(_crashing_worker, 2)
 
 
 def _nnsight_model(folder: str):

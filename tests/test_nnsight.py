@@ -117,7 +117,7 @@ def test_neox_parallel_residual_has_no_resid_mid() -> None:
 
 
 def test_unsupported_module_names_the_fix() -> None:
-    with pytest.raises(TypeError, match="does not know the layout"):
+    with pytest.raises(ValueError, match="does not know the layout"):
         get_backend(nnsight.NNsight(torch.nn.Linear(2, 2)))
 
 

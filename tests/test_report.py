@@ -122,7 +122,7 @@ def test_summary_puts_the_paper_next_to_measured_numbers() -> None:
     freq = claims["Frequency vs distance, Pearson r (last step)"]
     assert freq.agrees == "partly"  # strongly negative for the weighted centre only
     text = report.format_summary(list(claims.values()))
-    assert "paper:" in text and "× chance" in text
+    assert "paper:" in text and "× controls" in text
 
 
 def test_summary_reports_disagreement_honestly() -> None:

@@ -399,3 +399,28 @@ def test_rank_too_large_for_the_model(series_dir, tmp_path):
 def test_world_size_must_be_positive(series_dir, tmp_path):
     with pytest.raises(ValueError, match="world_size"):
         Study(_config(series_dir)).run(tmp_path / "out", world_size=0)
+
+
+def test_a_failed_first_run_does_not_lock_the_folder(series_dir, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="too large"):
+        Study(_config(series_dir, rank=20)).run(out)
+    frame = Study(_config(series_dir, rank=4, n_controls=20)).run(out)  # nothing was computed
+    assert (frame["rank"] == 4).any()
+
+
+def test_parts_from_other_weights_are_refused(series_dir, study, tmp_path):
+    cfg, out, _ = study
+    series = tmp_path / "series"
+    shutil.copytree(series_dir, series)
+    copied = tmp_path / "out"
+    shutil.copytree(out, copied)
+    (copied / "study_config.json").write_text(
+        json.dumps(
+            {**json.loads((copied / "study_config.json").read_text()), "checkpoints": str(series)}
+        )
+    )
+    meta = series / "step8" / "tangentlens.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "weights_hash": "0" * 64}))
+    with pytest.raises(ValueError, match="computed from other weights"):
+        Study(replace(cfg, checkpoints=str(series))).run(copied)

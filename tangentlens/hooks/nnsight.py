@@ -157,7 +157,7 @@ def _layout(hf: nn.Module) -> tuple[_Layout, nn.Module]:
         extra = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
         if all(hasattr(block, p) for p in parts) and not any(hasattr(block, p) for p in extra):
             return _LLAMA, base
-    raise TypeError(
+    raise ValueError(
         f"the nnsight backend does not know the layout of {type(hf).__name__} "
         f"(model_type {model_type!r}): supported are GPT-2, GPT-NeoX, Llama-style "
         "(input_layernorm/self_attn/post_attention_layernorm/mlp) and BERT encoders. "

@@ -121,7 +121,8 @@ class DepthProfile:
 
     def plot(self, ax: Any = None) -> Any:
         """Share ratio (residual and writes) and gradient energy ratio against depth;
-        a dotted line at chance (1) and a vertical line at the onset. Returns the figure."""
+        a dotted line at the controls' level (1), a vertical line at the onset. Returns the
+        figure."""
         from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
         if ax is None:

@@ -52,6 +52,8 @@ class GradientProbe:
         self.bases = dict(bases)
         self.n_controls = n_controls
         self.seed = seed
+        if controls not in ("normal", "uniform"):
+            raise ValueError(f"controls must be 'normal' or 'uniform'; got {controls!r}.")
         self.controls = controls
         self.moments: dict[Site, Moments] = {s: Moments() for s in bases}
         self._shared = SharedBatch()
