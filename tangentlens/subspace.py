@@ -150,8 +150,10 @@ class TangentBasis:
         """``(tangent, normal)`` with ``tangent + normal == x`` exactly.
 
         Both are returned in float64 (or x's dtype if wider). The tangent part is
-        x Q Qᵀ rounded to x's own precision, so for float32/16 inputs the float64
-        difference is exact and the sum reproduces x bit for bit.
+        x Q Qᵀ rounded to x's own precision, so the float64 difference is exact and the
+        sum reproduces x bit for bit: always for float16/bfloat16 inputs, and for float32
+        unless a coordinate's tangent part exceeds the input's by more than 2²⁹. Float64
+        inputs are reproduced to the last ulp.
         """
         x = self._check_x(x)
         out_dtype = torch.promote_types(x.dtype, torch.float64)
