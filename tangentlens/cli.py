@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +28,6 @@ __all__ = ["build_parser", "main"]
 EXIT_USAGE = 2
 DEBUG_ENV = "TANGENTLENS_DEBUG"
 CHECKPOINTS_DIR = "checkpoints"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -303,11 +301,12 @@ def _run_study(args: argparse.Namespace, checkpoints: str, out: Path) -> Any:
 
 def cmd_study(args: argparse.Namespace) -> int:
     """Run the training-dynamics study over a checkpoint series and write the report."""
+    from .models import is_hub_id
     from .report import format_summary, summary, write_report
 
     out = _writable_dir(args.out)
     checkpoints = args.checkpoints
-    if not Path(checkpoints).expanduser().exists() and not _HUB_ID.match(checkpoints):
+    if not Path(checkpoints).expanduser().exists() and not is_hub_id(checkpoints):
         raise FileNotFoundError(
             f"--checkpoints {checkpoints} is neither an existing folder nor a hub id "
             "'org/name'; pass the folder `tangentlens train` wrote"

@@ -105,35 +105,37 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         nprocs=world_size,
         join=False,
     )
-    outcome = None
+    messages: list[tuple[str, Any]] = []
+
+    def drain() -> None:  # read while the ranks run: a large result must not fill the pipe
+        while not queue.empty():
+            messages.append(queue.get())
+
+    failure: ProcessException | None = None
     done = False
-    while not done:  # read while the ranks run: a large result must not fill the pipe
-        if outcome is None and not queue.empty():
-            outcome = queue.get()
+    while not done:
+        drain()
         try:
             done = context.join(timeout=0.1)
         except ProcessException as err:
-            if outcome is None and not queue.empty():
-                outcome = queue.get()
-            if outcome is not None and outcome[0] == "user-error":
-                raise ValueError(outcome[1]) from None
-            detail = outcome[1] if outcome and outcome[0] == "error" else str(err)
-            if isinstance(err, ProcessExitedException):
-                detail += (
-                    " (spawned processes re-import the main module: run from a file, with the "
-                    "launch under `if __name__ == '__main__':`)"
-                )
-            raise RuntimeError(
-                f"a worker of the {world_size}-process run failed: {detail}"
-            ) from None
-    if outcome is None and not queue.empty():
-        outcome = queue.get()
-    if outcome is not None and outcome[0] == "user-error":
-        raise ValueError(outcome[1])
-    if outcome is None or outcome[0] != "ok":
-        detail = outcome[1] if outcome else "rank 0 returned nothing"
-        raise RuntimeError(f"a worker of the {world_size}-process run failed: {detail}")
-    return _from_value(outcome[1])
+            failure = err
+            break
+    drain()
+    # a user's mistake in any rank wins over the errors it caused in the others
+    for kind, payload in messages:
+        if kind == "user-error":
+            raise ValueError(payload)
+    ok = [payload for kind, payload in messages if kind == "ok"]
+    if failure is None and ok:
+        return _from_value(ok[0])
+    errors = [payload for kind, payload in messages if kind == "error"]
+    detail = errors[0] if errors else str(failure or "rank 0 returned nothing")
+    if isinstance(failure, ProcessExitedException):
+        detail += (
+            " (spawned processes re-import the main module: run from a file, with the "
+            "launch under `if __name__ == '__main__':`)"
+        )
+    raise RuntimeError(f"a worker of the {world_size}-process run failed: {detail}")
 
 
 class _TensorValue:
@@ -210,20 +212,9 @@ def all_reduce_session(session: Any) -> Any:
             sums[site] = _all_reduce_sum(sums[site])
     for site in sorted(session._attention, key=str):
         basis, params, acc = session._attention[site]
-        if acc.n_heads is None:
+        if acc.n_heads is None:  # this rank saw no tokens: zeros of the right shape
             acc = type(acc)(n_heads=params.n_heads)
-        state = acc.state_dict()
-        counts = torch.tensor([float(state["rows"]), float(state["entries"])], dtype=torch.float64)
-        flat = _all_reduce_sum(torch.cat([state["energy"].flatten(), state["kl"], counts]))
-        n_energy, n_kl = state["energy"].numel(), state["kl"].numel()
-        acc.load_state_dict(
-            {
-                "rows": torch.tensor(int(flat[-2]), dtype=torch.int64),
-                "entries": torch.tensor(int(flat[-1]), dtype=torch.int64),
-                "energy": flat[:n_energy].reshape(state["energy"].shape),
-                "kl": flat[n_energy : n_energy + n_kl],
-            }
-        )
+        acc.all_reduce_()
         session._attention[site] = (basis, params, acc)
     return session
 

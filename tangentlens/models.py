@@ -220,6 +220,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a hub id (``org/name``), not a relative path."""
+    return bool(_HUB_ID.match(name)) and not name.startswith((".", "~"))
+
+
 def _unknown_name(name: str) -> ValueError:
     known = ", ".join(f"{k!r} ({m.description})" for k, m in KNOWN_MODELS.items())
     return ValueError(
@@ -237,7 +242,7 @@ def model_folder(name: str) -> Path | str:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is a folder but has no config.json; not an HF model.")
         return path
-    if _HUB_ID.match(name) and not name.startswith((".", "~")):
+    if is_hub_id(name):
         return name
     raise _unknown_name(name)
 

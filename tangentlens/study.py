@@ -69,7 +69,6 @@ COLUMNS = [
 CONFIG_FILE = "study_config.json"
 PROBE_FILE = "probe_set.safetensors"
 PART_KEY = "tangentlens_study_part"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _Z95 = 1.959963984540054
 _KD_WARNING = r".*normal controls are not exchangeable.*"
 
@@ -194,9 +193,10 @@ def open_series(source: str) -> Any:
     id that is not a local path. Errors of the series (missing folder, no checkpoints,
     mixed shapes) surface unchanged."""
     from .checkpoints import CheckpointSeries
+    from .models import is_hub_id
 
     path = Path(source).expanduser()
-    if not path.exists() and _HUB_ID.match(source):
+    if not path.exists() and is_hub_id(source):
         return CheckpointSeries.from_hub(source)
     return CheckpointSeries.from_folder(path)
 
