@@ -19,13 +19,7 @@ def _loss(arch: str, model, ids):
     return ARCH_LOSS.get(arch, lambda lg: lg.log_softmax(-1)[..., 0].sum())(logits)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and far faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
