@@ -140,6 +140,21 @@ def test_probe_on_a_tiny_local_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert 'id="head_heatmap"' in (out / "report.html").read_text()
 
 
+def test_probe_on_the_real_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`probe --model smollm2-135m` offline: the bundled real model, two of its 30 layers."""
+    out = tmp_path / "smol"
+    args = ["probe", "--model", "smollm2-135m", "--layers", "0", "5", "--tokens", "128"]
+    assert main([*args, "--seq-len", "64", "--controls", "50", "--out", str(out), "-q"]) == 0
+    capsys.readouterr()
+    results = pd.read_csv(out / "results.csv")
+    assert {"residual", "attention", "gradient"} <= set(results["probe"])
+    assert set(results["layer"].dropna().astype(int)) == {0, 5}
+    heads = results[results["statistic"] == "score_share_TT"]
+    assert len(heads) == 2 * 9  # SmolLM2-135M: 9 query heads per layer
+    shares = results[(results["probe"] == "residual") & (results["statistic"] == "tangent_share")]
+    assert shares["value"].between(0, 1).all()
+
+
 def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`demo --quick` end to end; then `train`, `study` and `report` on its folders (train and
     study resume: same configuration, nothing is redone) and the re-rendered report."""
