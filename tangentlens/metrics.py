@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .errors import UsageError
 from .stats import Moments
 
 __all__ = [
@@ -46,17 +47,17 @@ def _points(x: Any, name: str = "x", min_samples: int = 2) -> Tensor:
     """(n, d) float64 tensor, validated. Keeps autograd when x is a torch tensor."""
     t = x if isinstance(x, Tensor) else torch.as_tensor(np.asarray(x))
     if t.ndim != 2:
-        raise ValueError(
+        raise UsageError(
             f"{name} must be a point cloud of shape (n_samples, d); got {tuple(t.shape)}. "
             "Flatten activations with x.reshape(-1, d)."
         )
     if t.shape[0] < min_samples or t.shape[1] < 1:
-        raise ValueError(
+        raise UsageError(
             f"{name} needs at least {min_samples} samples and 1 feature; got {tuple(t.shape)}."
         )
     t = t.to(torch.float64)
     if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} contains NaN or Inf; drop or mask those rows first.")
+        raise UsageError(f"{name} contains NaN or Inf; drop or mask those rows first.")
     return t
 
 
@@ -74,10 +75,10 @@ def _cov_arg(c: Any, name: str = "cov") -> Tensor:
         return c.covariance(ddof=1)
     t = c if isinstance(c, Tensor) else torch.as_tensor(np.asarray(c))
     if t.ndim != 2 or t.shape[0] != t.shape[1]:
-        raise ValueError(f"{name} must be a square (d, d) matrix; got {tuple(t.shape)}.")
+        raise UsageError(f"{name} must be a square (d, d) matrix; got {tuple(t.shape)}.")
     t = t.to(torch.float64)
     if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} contains NaN or Inf.")
+        raise UsageError(f"{name} contains NaN or Inf.")
     return t
 
 
@@ -92,11 +93,11 @@ def isoscore_from_traces(trace: Tensor | float, trace_sq: Tensor | float, d: int
 
     Works elementwise on batches of traces (one per control, say)."""
     if d < 2:
-        raise ValueError(f"IsoScore needs d >= 2 dimensions; got {d}.")
+        raise UsageError(f"IsoScore needs d >= 2 dimensions; got {d}.")
     trace = torch.as_tensor(trace, dtype=torch.float64)
     trace_sq = torch.as_tensor(trace_sq, dtype=torch.float64)
     if bool((trace_sq <= 0).any()):
-        raise ValueError("the covariance is zero: IsoScore is undefined for constant data.")
+        raise UsageError("the covariance is zero: IsoScore is undefined for constant data.")
     return (trace**2 / trace_sq - 1) / (d - 1)
 
 
@@ -118,14 +119,14 @@ def isoscore(x: Any) -> float:
 
 def _shrunk(c: Tensor, zeta: float, reference: Any | None) -> Tensor:
     if not 0 <= zeta <= 1:
-        raise ValueError(f"zeta must be in [0, 1]; got {zeta}.")
+        raise UsageError(f"zeta must be in [0, 1]; got {zeta}.")
     d = c.shape[0]
     if reference is None:
         ref = torch.eye(d, dtype=c.dtype, device=c.device) * (torch.trace(c) / d)
     else:
         ref = _cov_arg(reference, "reference").to(c.device)
         if ref.shape != c.shape:
-            raise ValueError(
+            raise UsageError(
                 f"reference must be ({d}, {d}) to match the data; got {tuple(ref.shape)}."
             )
     return (1 - zeta) * c + zeta * ref
@@ -156,7 +157,7 @@ def participation_ratio_from_cov(cov: Any) -> float:
     c = _cov_arg(cov)
     tsq = float((c * c).sum())
     if tsq <= 0:
-        raise ValueError("the covariance is zero: the participation ratio is undefined.")
+        raise UsageError("the covariance is zero: the participation ratio is undefined.")
     return float(torch.trace(c)) ** 2 / tsq
 
 
@@ -174,7 +175,7 @@ def effective_rank_from_cov(cov: Any) -> float:
     sv = _eigvals(_cov_arg(cov)).sqrt()
     total = float(sv.sum())
     if total <= 0:
-        raise ValueError("the covariance is zero: the effective rank is undefined.")
+        raise UsageError("the covariance is zero: the effective rank is undefined.")
     p = sv[sv > 0] / total
     return math.exp(float(-(p * p.log()).sum()))
 
@@ -188,7 +189,7 @@ def effective_rank(x: Any) -> float:
     sv = torch.linalg.svdvals(t - t.mean(0))
     total = float(sv.sum())
     if total <= 0:
-        raise ValueError("the points are all equal: the effective rank is undefined.")
+        raise UsageError("the points are all equal: the effective rank is undefined.")
     p = sv[sv > 0] / total
     return math.exp(float(-(p * p.log()).sum()))
 
@@ -198,7 +199,7 @@ def spectral_anisotropy_from_cov(second_moment: Any) -> float:
     ev = _eigvals(_cov_arg(second_moment, "second_moment"))
     total = float(ev.sum())
     if total <= 0:
-        raise ValueError("the matrix is zero: spectral anisotropy is undefined.")
+        raise UsageError("the matrix is zero: spectral anisotropy is undefined.")
     return float(ev[0]) / total
 
 
@@ -227,13 +228,13 @@ def mean_cosine(x: Any) -> float:
     if isinstance(x, Moments):
         n = x.count
         if n < 2:
-            raise ValueError("mean_cosine needs at least 2 vectors.")
+            raise UsageError("mean_cosine needs at least 2 vectors.")
         s2 = float((x.mean * n).pow(2).sum())
         return (s2 - n) / (n * (n - 1))
     t = _points(x)
     norms = t.norm(dim=1)
     if bool((norms == 0).any()):
-        raise ValueError("x has zero rows; cosine similarity is undefined for them: drop them.")
+        raise UsageError("x has zero rows; cosine similarity is undefined for them: drop them.")
     u = t / norms[:, None]
     n = u.shape[0]
     s2 = float(u.sum(0).pow(2).sum())
@@ -241,11 +242,14 @@ def mean_cosine(x: Any) -> float:
 
 
 # ---------------------------------------------------------------------- TwoNN
-def _two_nearest(t: Tensor, chunk: int = 2048) -> tuple[Tensor, Tensor]:
+def _two_nearest(
+    t: Tensor, groups: Tensor | None = None, chunk: int = 2048
+) -> tuple[Tensor, Tensor]:
     """Distances to the first and second nearest neighbours (exact, chunked).
 
-    Candidates come from the expanded ‖a‖² + ‖b‖² − 2a·b form; the two distances
-    are then recomputed as ‖a − b‖ to avoid its cancellation for close points.
+    With ``groups``, a point's own group is skipped and the second neighbour is taken
+    from a third group. Candidates come from the expanded ‖a‖² + ‖b‖² − 2a·b form; the
+    two distances are then recomputed as ‖a − b‖ to avoid its cancellation for close points.
     """
     sq = (t * t).sum(1)
     nbrs = torch.empty(t.shape[0], 2, dtype=torch.long)
@@ -253,32 +257,66 @@ def _two_nearest(t: Tensor, chunk: int = 2048) -> tuple[Tensor, Tensor]:
         block = t[start : start + chunk]
         rows = torch.arange(block.shape[0])
         d2 = sq[start : start + chunk, None] + sq[None, :] - 2 * block @ t.T
-        d2[rows, rows + start] = float("inf")
-        nbrs[start : start + block.shape[0]] = d2.topk(2, dim=1, largest=False).indices
+        if groups is None:
+            d2[rows, rows + start] = float("inf")
+            nbrs[start : start + block.shape[0]] = d2.topk(2, dim=1, largest=False).indices
+            continue
+        own = groups[start : start + chunk]
+        d2[own[:, None] == groups[None, :]] = float("inf")
+        first = d2.argmin(1)
+        d2[groups[first][:, None] == groups[None, :]] = float("inf")
+        nbrs[start : start + block.shape[0], 0] = first
+        nbrs[start : start + block.shape[0], 1] = d2.argmin(1)
     dist = (t[:, None, :] - t[nbrs]).norm(dim=-1).sort(dim=1).values
     return dist[:, 0], dist[:, 1]
 
 
-def twonn_dimension(x: Any, discard_fraction: float = 0.1) -> float:
+def _group_labels(groups: Any, n: int) -> Tensor:
+    g = groups if isinstance(groups, Tensor) else torch.as_tensor(np.asarray(groups))
+    if g.shape != (n,) or g.dtype.is_floating_point or g.dtype.is_complex or g.dtype == torch.bool:
+        raise UsageError(
+            f"groups must hold one integer label per row of x ({n}); "
+            f"got {g.dtype} of shape {tuple(g.shape)}."
+        )
+    return g.long()
+
+
+def twonn_dimension(x: Any, groups: Any | None = None, *, discard_fraction: float = 0.1) -> float:
     """TwoNN intrinsic dimension (Facco et al. 2017).
 
     μ = r₂/r₁ per point; the top ``discard_fraction`` of μ is dropped; the slope of
     −log(1 − F(μ)) against log μ, fitted through the origin, is the dimension.
     Duplicate points are removed first (they make r₁ = 0).
+
+    ``groups`` (one integer label per row, e.g. the sequence index) measures the
+    dimension *across* groups: a point's neighbours are sought outside its own group, and
+    the two neighbours come from two different groups. Tokens of one sequence lie on a
+    short, nearly 1-dimensional path, so without it the estimate collapses toward 1; and
+    two tokens of one neighbouring sequence would give μ ≈ 1. Each row its own group
+    gives the ungrouped estimate.
     """
     t = _points(x, min_samples=3).detach()
     if not 0 <= discard_fraction < 1:
-        raise ValueError(f"discard_fraction must be in [0, 1); got {discard_fraction}.")
-    t = torch.unique(t, dim=0)
+        raise UsageError(f"discard_fraction must be in [0, 1); got {discard_fraction}.")
+    if groups is None:
+        t = torch.unique(t, dim=0)
+        labels = None
+    else:
+        labels = _group_labels(groups, t.shape[0])
+        t, inverse = torch.unique(t, dim=0, return_inverse=True)
+        # a duplicated point keeps one of its labels
+        labels = torch.empty(t.shape[0], dtype=torch.long).scatter_(0, inverse, labels)
+        if labels.unique().numel() < 3:
+            raise UsageError("grouped TwoNN needs points in at least 3 distinct groups.")
     if t.shape[0] < 3:
-        raise ValueError("TwoNN needs at least 3 distinct points.")
-    r1, r2 = _two_nearest(t)
+        raise UsageError("TwoNN needs at least 3 distinct points.")
+    r1, r2 = _two_nearest(t, labels)
     keep = r1 > 0
     mu = (r2[keep] / r1[keep]).sort().values
     n = mu.shape[0]
     n_keep = int(n * (1 - discard_fraction))
     if n_keep < 2:
-        raise ValueError("fewer than 2 points left after discarding; pass more points.")
+        raise UsageError("fewer than 2 points left after discarding; pass more points.")
     mu = mu[:n_keep]
     f_emp = torch.arange(1, n_keep + 1, dtype=torch.float64) / n
     xs, ys = mu.log(), -torch.log1p(-f_emp)

@@ -17,6 +17,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from .errors import CorruptFileError, UsageError
+from .validation import check_int
+
 __all__ = ["Moments", "SharedBatch", "batch_statistics"]
 
 
@@ -29,11 +32,11 @@ def batch_statistics(x: Tensor, mask: Tensor | None = None) -> tuple[int, Tensor
     if not isinstance(x, Tensor):
         x = torch.as_tensor(x)
     if x.ndim < 1:
-        raise ValueError("x must have shape (..., d); got a scalar. Pass vectors as rows.")
+        raise UsageError("x must have shape (..., d); got a scalar. Pass vectors as rows.")
     if mask is not None:
         mask = torch.as_tensor(mask, device=x.device).bool()
         if tuple(mask.shape) != tuple(x.shape[:-1]):
-            raise ValueError(
+            raise UsageError(
                 f"mask must have shape x.shape[:-1] = {tuple(x.shape[:-1])}; "
                 f"got {tuple(mask.shape)}."
             )
@@ -48,7 +51,7 @@ def batch_statistics(x: Tensor, mask: Tensor | None = None) -> tuple[int, Tensor
     # NaN or Inf anywhere in the batch reaches its mean or the scatter's diagonal:
     # an O(d) check instead of a pass over every element.
     if not bool(torch.isfinite(mean).all() & torch.isfinite(scatter.diagonal()).all()):
-        raise ValueError(
+        raise UsageError(
             "x contains NaN or Inf; check the model's dtype (overflow in float16?) "
             "or mask the offending positions with mask=."
         )
@@ -99,11 +102,10 @@ class Moments:
         self._scatter: Tensor | None = None
         self._device = torch.device(device) if device is not None else None
         if d is not None:
-            self._init(int(d), self._device or torch.device("cpu"))
+            self._init(d, self._device or torch.device("cpu"))
 
     def _init(self, d: int, device: torch.device) -> None:
-        if d < 1:
-            raise ValueError(f"d must be >= 1; got {d}.")
+        check_int(d, "d", minimum=1)
         self._device = device
         self._mean = torch.zeros(d, dtype=torch.float64, device=device)
         self._scatter = torch.zeros(d, d, dtype=torch.float64, device=device)
@@ -120,7 +122,7 @@ class Moments:
         if self._mean is None:
             self._init(mean_b.shape[0], self._device or mean_b.device)
         if mean_b.shape[0] != self.d:
-            raise ValueError(
+            raise UsageError(
                 f"x has d={mean_b.shape[0]} but these Moments hold d={self.d}; "
                 "use one Moments per site."
             )
@@ -148,12 +150,50 @@ class Moments:
         if self._mean is None:
             self._init(other.d, self._device or other._device)
         if other.d != self.d:
-            raise ValueError(f"cannot merge Moments with d={other.d} into d={self.d}.")
+            raise UsageError(f"cannot merge Moments with d={other.d} into d={self.d}.")
         self._combine(other._n, other._mean.to(self._device), other._scatter.to(self._device))
+        return self
+
+    def remove(self, other: Moments) -> Moments:
+        """Take the sub-stream ``other`` back out of ``self`` (Chan's formula inverted) and
+        return ``self``: the moments of the rest, with no second pass over the data (what a
+        leave-one-group-out jackknife needs). Exact in exact arithmetic; removing a stream
+        that was never merged in is caught when it leaves a negative variance."""
+        if not isinstance(other, Moments):
+            raise TypeError(f"remove takes a Moments; got {type(other).__name__}.")
+        if other._n == 0:
+            return self
+        if self._mean is None or other.d != self.d or other._n > self._n:
+            raise UsageError(
+                f"cannot remove {other!r} from {self!r}: it must be a sub-stream "
+                "(same d, at most as many vectors)."
+            )
+        n_a, n_b = self._n, other._n
+        n = n_a - n_b
+        mean_b, scatter_b = other._mean.to(self._device), other._scatter.to(self._device)
+        if n == 0:
+            self._n = 0
+            self._mean.zero_()
+            self._scatter.zero_()
+            return self
+        mean = (self._mean * n_a - mean_b * n_b) / n
+        delta = mean_b - mean
+        between = torch.outer(delta, delta) * (n * n_b / n_a)
+        scatter = self._scatter - scatter_b - between
+        slack = 1e-8 * (self._scatter.diagonal() + scatter_b.diagonal() + between.diagonal())
+        if bool((scatter.diagonal() < -slack).any()):
+            raise UsageError(
+                "removing these Moments leaves a negative variance: they are not a sub-stream "
+                "of the Moments they were removed from."
+            )
+        self._n, self._mean, self._scatter = n, mean, scatter
         return self
 
     def __add__(self, other: Moments) -> Moments:
         return self.copy().merge(other)
+
+    def __sub__(self, other: Moments) -> Moments:
+        return self.copy().remove(other)
 
     def copy(self) -> Moments:
         out = Moments()
@@ -164,7 +204,7 @@ class Moments:
     @property
     def d(self) -> int:
         if self._mean is None:
-            raise ValueError("these Moments are empty: call update() with data first.")
+            raise UsageError("these Moments are empty: call update() with data first.")
         return int(self._mean.shape[0])
 
     @property
@@ -177,7 +217,7 @@ class Moments:
 
     def _require_data(self, what: str, minimum: int = 1) -> None:
         if self._n < minimum:
-            raise ValueError(
+            raise UsageError(
                 f"{what} needs at least {minimum} vector(s); these Moments hold {self._n}. "
                 "Feed more tokens with update()."
             )
@@ -229,7 +269,9 @@ class Moments:
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> Moments:
         if "count" not in state:
-            raise ValueError("state has no 'count'; it was not written by Moments.state_dict().")
+            raise CorruptFileError(
+                "state has no 'count'; it was not written by Moments.state_dict()."
+            )
         n = int(state["count"])
         if n == 0 and "mean" not in state:
             self._n, self._mean, self._scatter = 0, None, None
@@ -238,7 +280,7 @@ class Moments:
         scatter = torch.as_tensor(state["scatter"], dtype=torch.float64)
         d = mean.shape[0]
         if mean.ndim != 1 or tuple(scatter.shape) != (d, d) or n < 0:
-            raise ValueError(
+            raise CorruptFileError(
                 f"corrupt Moments state: mean {tuple(mean.shape)}, scatter {tuple(scatter.shape)}, "
                 f"count {n}."
             )
@@ -260,7 +302,7 @@ class Moments:
         if not (dist.is_available() and dist.is_initialized()):
             return self
         if self._mean is None:
-            raise ValueError(
+            raise UsageError(
                 "all_reduce_ needs d on every rank: construct Moments(d=...) "
                 "or update before reducing."
             )

@@ -7,34 +7,48 @@ constructor or `fit`, fitted attributes end in ``_``, points are rows.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .errors import CorruptFileError, UsageError
+from .files import load_tensors, save_tensors
 from .stats import Moments
+from .validation import check_int, check_rank
 
-__all__ = ["TangentBasis", "complement", "normal_controls", "uniform_controls"]
+__all__ = [
+    "TangentBasis",
+    "chance_overlap",
+    "complement",
+    "normal_controls",
+    "shares",
+    "split_half_overlap",
+    "subspace_overlap",
+    "tangent_share",
+    "uniform_controls",
+]
 
 _ORTHO_TOL = 1e-6
 
 
 def _check_orthonormal(q: Tensor, name: str = "q") -> Tensor:
     if q.ndim != 2:
-        raise ValueError(f"{name} must be a (d, k) matrix; got shape {tuple(q.shape)}.")
+        raise UsageError(f"{name} must be a (d, k) matrix; got shape {tuple(q.shape)}.")
     d, k = q.shape
     if not 1 <= k < d:
-        raise ValueError(
+        raise UsageError(
             f"{name} has rank k={k} for d={d}; a tangent basis needs 1 <= k < d "
             "(pass fewer columns)."
         )
     if not bool(torch.isfinite(q).all()):
-        raise ValueError(f"{name} contains NaN or Inf.")
+        raise UsageError(f"{name} contains NaN or Inf.")
     q64 = q.to(torch.float64)
     err = (q64.T @ q64 - torch.eye(k, dtype=torch.float64, device=q.device)).abs().max().item()
     if err > _ORTHO_TOL:
-        raise ValueError(
+        raise UsageError(
             f"{name} is not orthonormal (max |QᵀQ − I| = {err:.2e}); "
             "orthonormalise it first, e.g. torch.linalg.qr(q).Q."
         )
@@ -47,6 +61,8 @@ class TangentBasis:
     ``TangentBasis(q)`` wraps a given orthonormal matrix (checked);
     ``TangentBasis.fit(moments, rank=k)`` or ``fit(moments, variance=0.9)`` runs
     centred PCA on the statistics. ``split(x)`` returns ``(tangent, normal)``.
+    ``eigengap_`` = λ_k/λ_{k+1} of the fitted spectrum (None when not fitted here): near 1,
+    the k-th direction is barely identified and Q_T is unstable across samples.
     """
 
     def __init__(
@@ -56,6 +72,7 @@ class TangentBasis:
         explained_variance: Tensor | None = None,
         mean: Tensor | None = None,
         total_variance: float | None = None,
+        eigengap: float | None = None,
         provenance: dict[str, Any] | None = None,
     ) -> None:
         self.basis_ = _check_orthonormal(torch.as_tensor(q), "q").contiguous()
@@ -64,6 +81,7 @@ class TangentBasis:
         )
         self.mean_ = None if mean is None else torch.as_tensor(mean).double()
         self.total_variance_ = total_variance
+        self.eigengap_ = eigengap
         self.provenance = dict(provenance or {})
 
     # ------------------------------------------------------------------ fit
@@ -81,11 +99,11 @@ class TangentBasis:
         if not isinstance(moments, Moments):
             raise TypeError(f"moments must be a Moments; got {type(moments).__name__}.")
         if (rank is None) == (variance is None):
-            raise ValueError(
+            raise UsageError(
                 "pass exactly one of rank= (an int) or variance= (a fraction in (0, 1])."
             )
         if moments.count < 2:
-            raise ValueError(
+            raise UsageError(
                 f"fitting a basis needs at least 2 vectors; the moments hold {moments.count}."
             )
         cov = moments.covariance()
@@ -95,14 +113,13 @@ class TangentBasis:
         total = float(evals.sum())
         if rank is None:
             if not 0 < variance <= 1:
-                raise ValueError(f"variance must be in (0, 1]; got {variance}.")
+                raise UsageError(f"variance must be in (0, 1]; got {variance}.")
             if total <= 0:
-                raise ValueError("the activations have zero variance; no subspace to fit.")
+                raise UsageError("the activations have zero variance; no subspace to fit.")
             cum = torch.cumsum(evals, 0) / total
             rank = int(torch.searchsorted(cum, torch.tensor(variance, dtype=cum.dtype)).item()) + 1
             rank = min(rank, d - 1)
-        if not isinstance(rank, int) or not 1 <= rank < d:
-            raise ValueError(f"rank must be an int with 1 <= rank < d={d}; got {rank!r}.")
+        rank = check_rank(rank, d)
         q = evecs[:, :rank]
         # Deterministic signs: the largest-magnitude entry of each column is positive.
         pivots = q[q.abs().argmax(0), torch.arange(rank)]
@@ -113,6 +130,7 @@ class TangentBasis:
             explained_variance=evals[:rank],
             mean=moments.mean,
             total_variance=total,
+            eigengap=_eigengap(float(evals[rank - 1]), float(evals[rank])),
             provenance=prov,
         )
 
@@ -134,7 +152,7 @@ class TangentBasis:
     def _check_x(self, x: Tensor, name: str = "x") -> Tensor:
         x = torch.as_tensor(x)
         if x.ndim < 1 or x.shape[-1] != self.d:
-            raise ValueError(
+            raise UsageError(
                 f"{name} must have shape (..., {self.d}) to match this basis; "
                 f"got {tuple(x.shape)}. "
                 "Was the basis fitted at another site or on another model?"
@@ -175,6 +193,7 @@ class TangentBasis:
             "d": self.d,
             "k": self.k,
             "total_variance": self.total_variance_,
+            "eigengap": self.eigengap_,
             "provenance": self.provenance,
         }
 
@@ -188,32 +207,37 @@ class TangentBasis:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], meta: dict[str, Any]) -> TangentBasis:
+        """Rebuild a saved basis; files from before ``eigengap`` load with ``eigengap_ = None``."""
         if "basis" not in tensors:
-            raise ValueError(
+            raise CorruptFileError(
                 "no 'basis' tensor in the file; it was not written by TangentBasis.save."
             )
-        return cls(
-            tensors["basis"],
-            explained_variance=tensors.get("explained_variance"),
-            mean=tensors.get("mean"),
-            total_variance=meta.get("total_variance"),
-            provenance=meta.get("provenance", {}),
-        )
+        try:
+            return cls(
+                tensors["basis"],
+                explained_variance=tensors.get("explained_variance"),
+                mean=tensors.get("mean"),
+                total_variance=meta.get("total_variance"),
+                eigengap=meta.get("eigengap"),
+                provenance=meta.get("provenance", {}),
+            )
+        except UsageError as err:
+            raise CorruptFileError(f"the saved basis is invalid: {err}") from err
 
     def save(self, path: str | Path) -> Path:
         """Write ``path`` (safetensors, with the JSON metadata in its header) atomically."""
-        from .io import save_tensors
-
         return save_tensors(path, self.tensors(), {"tangentlens": json.dumps(self.to_dict())})
 
     @classmethod
     def load(cls, path: str | Path) -> TangentBasis:
-        from .io import load_tensors
-
         tensors, meta = load_tensors(path)
-        if "tangentlens" not in meta:
-            raise ValueError(f"{path} has no tangentlens metadata; it is not a saved TangentBasis.")
-        return cls.from_tensors(tensors, json.loads(meta["tangentlens"]))
+        try:
+            info = json.loads(meta["tangentlens"])
+        except (KeyError, json.JSONDecodeError) as err:
+            raise CorruptFileError(
+                f"{path} has no readable tangentlens metadata; it is not a saved TangentBasis."
+            ) from err
+        return cls.from_tensors(tensors, info)
 
     def __repr__(self) -> str:
         return f"TangentBasis(d={self.d}, k={self.k})"
@@ -252,10 +276,9 @@ def normal_controls(
     q = _basis_q(basis)
     d, k = q.shape
     k = k if rank is None else rank
-    if n < 1:
-        raise ValueError(f"n (number of controls) must be >= 1; got {n}.")
+    check_int(n, "n (number of controls)", minimum=1)
     if not 1 <= k <= d - q.shape[1]:
-        raise ValueError(
+        raise UsageError(
             f"a control of rank {k} does not fit in the {d - q.shape[1]}-dim complement; "
             "use a smaller basis rank."
         )
@@ -267,7 +290,78 @@ def normal_controls(
 
 def uniform_controls(d: int, k: int, n: int, seed: int = 0) -> Tensor:
     """``(n, d, k)`` orthonormal k-frames drawn uniformly (Haar) from the whole space."""
-    if not 1 <= k <= d:
-        raise ValueError(f"rank k must be in [1, d={d}]; got {k}.")
+    check_int(n, "n (number of controls)", minimum=1)
+    if not 1 <= check_int(k, "k") <= d:
+        raise UsageError(f"rank k must be in [1, d={d}]; got {k}.")
     gen = torch.Generator().manual_seed(int(seed))
     return _random_frames(n, d, k, gen)
+
+
+# ------------------------------------------------------------- energy shares
+def tangent_share(matrix: Tensor | Moments, basis: TangentBasis | Tensor) -> float:
+    """tr(QᵀMQ)/tr(M): the share of a symmetric PSD matrix's energy that lies in span(Q).
+
+    A `Moments` stands for its uncentred second moment E[x xᵀ], so the share is
+    E‖xᵀQ‖²/E‖x‖², the energy a gradient or a residual write carries, mean included.
+    Every share in tangentlens goes through here, so tables agree to the last digit.
+    """
+    m = matrix.second_moment() if isinstance(matrix, Moments) else torch.as_tensor(matrix)
+    q = _basis_q(basis)
+    d = q.shape[0]
+    if tuple(m.shape) != (d, d):
+        raise UsageError(
+            f"matrix must be ({d}, {d}) to match the basis; got {tuple(m.shape)}. "
+            "Was the basis fitted at another site?"
+        )
+    m = m.to(torch.float64)
+    total = float(torch.trace(m))
+    if not total > 0:
+        raise UsageError(f"tr(M) = {total}: there is no energy to share (all-zero vectors?).")
+    return float(((m @ q.to(m.device)) * q.to(m.device)).sum()) / total
+
+
+def shares(tangent_energy: float, total_energy: float, k: int, d: int) -> dict[str, float]:
+    """Share statistics from summed energies Σ‖xᵀQ‖² and Σ‖x‖² (the streaming form).
+
+    ``tangent_share`` (NaN when nothing was summed), ``chance_share`` = k/d, the expected
+    share of an isotropic vector, and ``share_ratio`` = share/chance.
+    """
+    d = check_int(d, "d", minimum=2)
+    k = check_rank(k, d, name="k")
+    chance = k / d
+    share = tangent_energy / total_energy if total_energy > 0 else math.nan
+    return {"tangent_share": share, "chance_share": chance, "share_ratio": share / chance}
+
+
+# ---------------------------------------------------------- basis stability
+def _eigengap(lam_k: float, lam_next: float) -> float:
+    """λ_k/λ_{k+1}: inf when only k directions vary, NaN when not even k do."""
+    if lam_next > 0:
+        return lam_k / lam_next
+    return math.inf if lam_k > 0 else math.nan
+
+
+def subspace_overlap(a: TangentBasis | Tensor, b: TangentBasis | Tensor) -> float:
+    """‖Q_AᵀQ_B‖²_F / k, the mean squared cosine of the principal angles: 1 for the same
+    subspace, 0 for orthogonal ones, k/d in expectation for independent random ones."""
+    qa, qb = _basis_q(a), _basis_q(b)
+    if qa.shape != qb.shape:
+        raise UsageError(
+            f"overlap needs bases of the same (d, k); got {tuple(qa.shape)} and {tuple(qb.shape)}."
+        )
+    return float((qa.T @ qb.to(qa.device)).pow(2).sum()) / qa.shape[1]
+
+
+def split_half_overlap(moments_a: Moments, moments_b: Moments, rank: int) -> float:
+    """`subspace_overlap` of rank-``rank`` bases fitted on two disjoint halves of the
+    sequences: near 1 when Q_T is a property of the model, near `chance_overlap` when it
+    is sampling noise."""
+    return subspace_overlap(
+        TangentBasis.fit(moments_a, rank=rank), TangentBasis.fit(moments_b, rank=rank)
+    )
+
+
+def chance_overlap(k: int, d: int) -> float:
+    """k/d: the expected `subspace_overlap` of two independent uniformly random k-frames."""
+    d = check_int(d, "d", minimum=2)
+    return check_rank(k, d, name="k") / d

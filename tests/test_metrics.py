@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tangentlens import metrics as M
+from tangentlens.errors import UsageError
 from tangentlens.stats import Moments
 
 
@@ -122,6 +123,42 @@ def test_twonn_matches_skdim_and_recovers_planted_dimension():
     assert M.twonn_dimension(np.vstack([x, x[:200]])) == pytest.approx(ours, rel=1e-9)
 
 
+def _sequences_on_curves(n_seq=200, length=20, seed=0):
+    """Each sequence: ``length`` points along a tiny curve segment at its own anchor; the
+    anchors fill a 5-dim Gaussian in R^30. Returns the points and their sequence labels."""
+    rng = np.random.default_rng(seed)
+    embed = np.linalg.qr(rng.normal(size=(30, 5)))[0]
+    anchors = rng.normal(size=(n_seq, 5)) @ embed.T
+    u, v = (rng.normal(size=(2, n_seq, 30)) / np.sqrt(30))[:, :, None]
+    t = np.sort(rng.uniform(size=(n_seq, length)), axis=1)[..., None]
+    x = anchors[:, None] + 1e-3 * (t * u + t**2 * v)
+    return x.reshape(-1, 30), np.repeat(np.arange(n_seq), length)
+
+
+def test_grouped_twonn_measures_the_dimension_across_sequences():
+    x, groups = _sequences_on_curves()
+    assert M.twonn_dimension(x) == pytest.approx(1.0, abs=0.2)  # each sequence's curve
+    assert 3.5 <= M.twonn_dimension(x, groups) <= 6.5  # the 5-dim cloud of sequences
+    # each row its own group is the ungrouped estimate
+    assert M.twonn_dimension(x[:500], np.arange(500)) == pytest.approx(
+        M.twonn_dimension(x[:500]), rel=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: M.twonn_dimension(np.random.rand(9, 2), [0, 1, 2] * 2), "one integer label"),
+        (lambda: M.twonn_dimension(np.random.rand(6, 2), np.ones(6) / 2), "one integer label"),
+        (lambda: M.twonn_dimension(np.random.rand(6, 2), [0, 0, 0, 1, 1, 1]), "3 distinct"),
+        (lambda: M.twonn_dimension(np.random.rand(6, 2), None, 0.1), "positional"),
+    ],
+)
+def test_twonn_groups_bad_input(call, match):
+    with pytest.raises((UsageError, TypeError), match=match):
+        call()
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -136,5 +173,5 @@ def test_twonn_matches_skdim_and_recovers_planted_dimension():
     ],
 )
 def test_bad_input(call, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(UsageError, match=match):
         call()

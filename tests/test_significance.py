@@ -1,15 +1,27 @@
-"""energy_test and isotropy_test: brute force, planted truth, calibration, bad input."""
+"""energy_test and isotropy_test: brute force, planted truth, closed forms, calibration,
+bad input."""
+
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
 from tangentlens import metrics as M
-from tangentlens.significance import _ControlAlgebra, energy_test, isotropy_test
+from tangentlens import significance as S
+from tangentlens.errors import ExchangeabilityWarning, UsageError
+from tangentlens.significance import (
+    _ControlAlgebra,
+    delta_iso_tangent,
+    energy_ratio,
+    energy_test,
+    isotropy_test,
+    tangent_tests,
+)
 from tangentlens.stats import Moments
 from tangentlens.subspace import TangentBasis, complement, normal_controls
 
-pytestmark = pytest.mark.filterwarnings("ignore:k/d")
+pytestmark = pytest.mark.filterwarnings("ignore::tangentlens.errors.ExchangeabilityWarning")
 
 
 def _basis(d, k, gen):
@@ -58,6 +70,8 @@ def test_isotropy_test_matches_brute_force_isoscore_star():
         assert r.iso_before == pytest.approx(before, abs=1e-12)
         assert r.delta_tangent == pytest.approx(after - before, abs=1e-12)
         assert r.statistic == pytest.approx(r.delta_tangent - r.delta_normal)
+        point = delta_iso_tangent(Moments().update(x), b, zeta=0.3, reference=reference)
+        assert point == r.delta_tangent
 
 
 def test_energy_null_matches_explicit_controls_in_distribution():
@@ -65,7 +79,7 @@ def test_energy_null_matches_explicit_controls_in_distribution():
     d, k = 20, 2
     b = _basis(d, k, gen)
     m = Moments().update(_grads(2000, d, gen, torch.linspace(0.1, 3, d, dtype=torch.float64)))
-    r = energy_test(m, b, n_controls=4000, seed=0)
+    r = energy_test(m, b, n_controls=4000, seed=0, controls="normal")
     h = m.second_moment()
     frames = normal_controls(b, 4000, seed=9)
     brute = torch.einsum("nji,jl,nlk->nik", frames, h, frames).diagonal(dim1=1, dim2=2).sum(1)
@@ -101,39 +115,146 @@ def test_normalized_ratio_divides_out_activation_share():
     acts = torch.randn(3000, d, generator=gen, dtype=torch.float64)
     m_act = Moments().update(acts)
     m_grad = Moments().update(acts)  # gradients with the activations' own geometry
-    r = energy_test(m_grad, b, n_controls=2000, activation_moments=m_act)
+    r = energy_test(m_grad, b, n_controls=20, activation_moments=m_act)
     assert r.normalized_ratio == pytest.approx(r.ratio / r.activation_ratio)
-    assert r.normalized_ratio == pytest.approx(1.0, abs=0.03)
+    assert r.normalized_ratio == pytest.approx(1.0, abs=1e-12)  # closed form: exactly 1
+    s_act = float(torch.trace(b.basis_.T @ m_act.second_moment() @ b.basis_)) / float(
+        m_act.trace_second_moment()
+    )
+    assert r.activation_ratio == pytest.approx(s_act / ((1 - s_act) * k / (d - k)), rel=1e-12)
 
 
-def _calibration(d, k, controls, test=energy_test, trials=200, n=200):
+def test_energy_ratio_is_the_closed_form_and_the_normal_control_mean_converges_to_it():
+    gen = torch.Generator().manual_seed(8)
+    d, k = 40, 5
+    b = _basis(d, k, gen)
+    scales = torch.linspace(0.2, 3, d, dtype=torch.float64)
+    g = _grads(3000, d, gen, scales) + 0.5 * torch.randn(3000, k, dtype=torch.float64) @ b.basis_.T
+    m = Moments().update(g)
+    h = m.second_moment()
+    s = float(torch.trace(b.basis_.T @ h @ b.basis_) / torch.trace(h))
+    closed = s / ((1 - s) * k / (d - k))
+    ratios = []
+    for controls in ("uniform", "normal"):
+        for n, seed in ((5, 0), (2000, 3)):
+            r = energy_test(m, b, n_controls=n, seed=seed, controls=controls)
+            assert r.tangent_share == pytest.approx(s, abs=1e-12)
+            ratios.append(r.ratio)
+            assert abs(r.ratio - closed) < 1e-9  # whatever the controls, their number or seed
+    assert energy_ratio(s, k, d) == pytest.approx(closed, rel=1e-12)
+    null = energy_test(m, b, n_controls=20_000, seed=1, controls="normal").null_shares
+    se = float(null.std()) / np.sqrt(null.numel())
+    assert abs(float(null.mean()) - (1 - s) * k / (d - k)) < 4 * se
+    assert energy_ratio(1.0, k, d) == float("inf")
+
+
+def _calibration(d, k, trials=400, n=2048, **options):
+    """Rejection rates at 0.05 of both default tests under an isotropic Gaussian null,
+    a fresh basis and fresh gradients per trial."""
     gen = torch.Generator().manual_seed(d * 100 + k)
     ps = []
     for t in range(trials):
         m = Moments().update(_grads(n, d, gen))
-        ps.append(test(m, _basis(d, k, gen), n_controls=99, seed=t, controls=controls).p_value)
-    return float(np.mean(np.asarray(ps) <= 0.05))
+        b = _basis(d, k, gen)
+        ps.append(
+            [
+                energy_test(m, b, n_controls=99, seed=t, **options).p_value,
+                isotropy_test(m, b, n_controls=99, seed=t, **options).p_value,
+            ]
+        )
+    return np.mean(np.asarray(ps) <= 0.05, axis=0)
 
 
-@pytest.mark.parametrize(
-    "d, k, controls", [(16, 3, "uniform"), (64, 8, "uniform"), (96, 1, "normal")]
-)
-def test_energy_p_values_are_calibrated_under_isotropy(d, k, controls):
-    assert 0.02 <= _calibration(d, k, controls) <= 0.09
+@pytest.mark.parametrize("d, k", [pytest.param(128, 16, marks=pytest.mark.slow), (64, 8)])
+def test_default_p_values_are_calibrated_under_isotropy(one_thread, d, k):
+    energy_rate, isotropy_rate = _calibration(d, k)
+    assert 0.02 <= energy_rate <= 0.08
+    assert 0.02 <= isotropy_rate <= 0.08
 
 
-def test_isotropy_p_values_are_calibrated_with_uniform_controls():
-    assert 0.02 <= _calibration(16, 3, "uniform", test=isotropy_test) <= 0.09
+def test_normal_controls_are_calibrated_at_small_k_over_d(one_thread):
+    energy_rate, _ = _calibration(96, 1, trials=200, n=200, controls="normal")
+    assert 0.02 <= energy_rate <= 0.09
 
 
-def test_reproducible_and_warns_for_large_k_over_d():
+def test_reproducible_and_warns_once_for_normal_controls_at_large_k_over_d():
     gen = torch.Generator().manual_seed(5)
     m = Moments().update(_grads(100, 16, gen))
     b = _basis(16, 3, gen)
-    with pytest.warns(UserWarning, match="anti-conservative"):
-        r1 = energy_test(m, b, n_controls=100, seed=7)
-    r2 = energy_test(m, b, n_controls=100, seed=7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r1 = energy_test(m, b, n_controls=100, seed=7, controls="normal")
+    assert [w.category for w in caught] == [ExchangeabilityWarning]
+    assert caught[0].filename == __file__  # points at the caller
+    r2 = energy_test(m, b, n_controls=100, seed=7, controls="normal")
     assert torch.equal(r1.null_shares, r2.null_shares)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither the default nor tangent_tests warns
+        energy_test(m, b, n_controls=100)
+        isotropy_test(m, b, n_controls=100)
+        tangent_tests(m, b, n_controls=100)
+    with pytest.warns(ExchangeabilityWarning):
+        isotropy_test(m, b, n_controls=100, controls="normal")
+
+
+def test_tangent_tests_reports_both_kinds_of_controls():
+    gen = torch.Generator().manual_seed(9)
+    d, k = 24, 4
+    b = _basis(d, k, gen)
+    m = Moments().update(_grads(400, d, gen, torch.linspace(0.5, 2, d, dtype=torch.float64)))
+    acts = Moments().update(_grads(400, d, gen))
+    out = tangent_tests(m, b, n_controls=200, seed=3, zeta=0.2, activation_moments=acts)
+    assert set(out) == {
+        "tangent_share",
+        "chance_share",
+        "energy_ratio",
+        "p_value",
+        "p_value_normal",
+        "normalized_ratio",
+        "delta_iso_tangent",
+        "delta_iso_normal",
+        "iso_statistic",
+        "isotropy_p_value",
+        "isotropy_p_value_normal",
+    }
+    assert all(isinstance(v, float) for v in out.values())
+    uniform = energy_test(m, b, n_controls=200, seed=3, activation_moments=acts)
+    normal = energy_test(m, b, n_controls=200, seed=3, controls="normal")
+    iso = isotropy_test(m, b, n_controls=200, seed=3, zeta=0.2)
+    iso_normal = isotropy_test(m, b, n_controls=200, seed=3, zeta=0.2, controls="normal")
+    assert out["p_value"] == uniform.p_value and out["p_value_normal"] == normal.p_value
+    assert out["energy_ratio"] == uniform.ratio == normal.ratio
+    assert out["normalized_ratio"] == uniform.normalized_ratio
+    assert out["isotropy_p_value"] == iso.p_value and out["iso_statistic"] == iso.statistic
+    assert out["delta_iso_tangent"] == iso.delta_tangent == iso_normal.delta_tangent
+    assert out["delta_iso_normal"] == iso_normal.delta_normal
+    assert out["isotropy_p_value_normal"] == iso_normal.p_value
+    # no normal control fits when 2k > d: those entries are left out
+    wide = tangent_tests(m, _basis(d, 13, gen), n_controls=20)
+    assert "p_value_normal" not in wide and "delta_iso_normal" not in wide
+    assert "normalized_ratio" not in wide and wide["p_value"] > 0
+
+
+def test_control_frames_are_drawn_once_and_reused_across_sites():
+    gen = torch.Generator().manual_seed(10)
+    d, k = 32, 4
+    frames = S._control_frames(d, k, 300, 11)
+    assert S._control_frames(d, k, 300, 11) is frames
+    eye = torch.eye(k, dtype=torch.float64).expand(300, k, k)
+    torch.testing.assert_close(frames.double().mT @ frames.double(), eye, atol=1e-6, rtol=0)
+    # two sites, one draw: each site's null is its own matrix over the same frames
+    for _ in range(2):
+        m = Moments().update(_grads(200, d, gen, torch.rand(d, generator=gen) + 0.1))
+        r = energy_test(m, _basis(d, k, gen), n_controls=300, seed=11)
+        alg = _ControlAlgebra(m.second_moment(), r.null_shares.new_zeros(d, k), "uniform")
+        expected = alg.trace(frames.double()) / float(torch.trace(m.second_moment()))
+        torch.testing.assert_close(r.null_shares, expected)
+    cache = S._FrameCache(max_bytes=2 * 10 * 8 * 2 * 4)  # room for two (10, 8, 2) entries
+    a = cache(8, 2, 10, 0)
+    cache(8, 2, 10, 1)
+    assert cache(8, 2, 10, 0) is a  # a hit refreshes the entry...
+    cache(8, 2, 10, 2)  # ...so seed 1, the least recently used, goes
+    assert cache(8, 2, 10, 0) is a and list(cache._frames) == [(8, 2, 10, 2), (8, 2, 10, 0)]
 
 
 def test_ten_thousand_controls_are_practical():
@@ -150,16 +271,35 @@ def test_ten_thousand_controls_are_practical():
         (lambda m, b: energy_test(Moments(), b), "empty"),
         (lambda m, b: energy_test(m, TangentBasis(torch.eye(5)[:, :2])), "d=5"),
         (lambda m, b: energy_test(m, b, n_controls=0), "n_controls"),
+        (lambda m, b: energy_test(m, b, n_controls=2.5), "n_controls"),
         (lambda m, b: energy_test(m, b, controls="random"), "controls"),
-        (lambda m, b: energy_test(m, TangentBasis(torch.eye(8)[:, :5])), "k <= d - k"),
+        (
+            lambda m, b: energy_test(m, TangentBasis(torch.eye(8)[:, :5]), controls="normal"),
+            "normal controls",
+        ),
         (lambda m, b: energy_test(Moments().update(torch.zeros(3, 8)), b), "zero"),
         (lambda m, b: isotropy_test(m, b, zeta=1.5), "zeta"),
         (lambda m, b: isotropy_test(m, b, reference=torch.eye(3)), "reference"),
-        (lambda m, b: energy_test(m.covariance(), b), "Moments"),
+        (lambda m, b: delta_iso_tangent(m, TangentBasis(torch.eye(5)[:, :2])), "d=5"),
+        (lambda m, b: energy_ratio(0.5, 8, 8), r"k (must be|\d+ is too large)"),
     ],
 )
 def test_bad_input(call, match):
     m = Moments().update(torch.randn(50, 8))
     b = TangentBasis(torch.eye(8)[:, :2])
-    with pytest.raises((ValueError, TypeError), match=match):
+    with pytest.raises(UsageError, match=match):
         call(m, b)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, b: energy_test(m.covariance(), b),
+        lambda m, b: isotropy_test(m, b.basis_),
+        lambda m, b: energy_test(m, b, 10),  # options are keyword-only
+    ],
+)
+def test_wrong_types(call):
+    m = Moments().update(torch.randn(50, 8))
+    with pytest.raises(TypeError):
+        call(m, TangentBasis(torch.eye(8)[:, :2]))

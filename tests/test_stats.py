@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tangentlens.errors import CorruptFileError, UsageError
 from tangentlens.stats import Moments
 
 
@@ -55,6 +56,50 @@ def test_merge_equals_single_pass(shards, seed):
         torch.testing.assert_close(
             merged.second_moment(), whole.second_moment(), rtol=1e-10, atol=1e-12
         )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shards=st.lists(st.integers(1, 30), min_size=2, max_size=6),
+    d=st.integers(1, 5),
+    seed=st.integers(0, 999),
+    offset=st.sampled_from([0.0, 10.0, 1e3]),
+)
+def test_remove_gives_the_moments_of_the_rest(shards, d, seed, offset):
+    gen = torch.Generator().manual_seed(seed)
+    parts = [
+        torch.randn(s, d, generator=gen, dtype=torch.float64) * (i + 1) + offset
+        for i, s in enumerate(shards)
+    ]
+    total = Moments()
+    for p in parts:
+        total.merge(Moments().update(p))
+    for i, p in enumerate(parts):
+        rest = total - Moments().update(p)
+        direct = Moments().update(torch.cat(parts[:i] + parts[i + 1 :]))
+        assert rest.count == direct.count
+        scale = float(total.second_moment().diagonal().max())  # rounding is relative to it
+        torch.testing.assert_close(rest.mean, direct.mean, rtol=1e-9, atol=1e-9 * scale**0.5)
+        torch.testing.assert_close(
+            rest.covariance(), direct.covariance(), rtol=1e-7, atol=1e-8 * scale
+        )
+    before = total.covariance().clone()
+    assert total.copy().remove(Moments()).count == total.count  # removing nothing
+    torch.testing.assert_close(total.covariance(), before)  # ``-`` leaves ``total`` alone
+    everything = total.copy().remove(total)
+    assert everything.count == 0 and everything.d == d
+
+
+def test_remove_rejects_what_is_not_a_sub_stream():
+    m = Moments().update(torch.randn(50, 3, dtype=torch.float64))
+    with pytest.raises(UsageError, match="sub-stream"):
+        m.remove(Moments().update(torch.randn(60, 3)))  # more vectors than there are
+    with pytest.raises(UsageError, match="sub-stream"):
+        m.remove(Moments().update(torch.randn(10, 3, dtype=torch.float64) * 100))
+    with pytest.raises(UsageError, match="sub-stream"):
+        m.remove(Moments().update(torch.randn(10, 4)))
+    with pytest.raises(TypeError, match="Moments"):
+        m.remove(3)
 
 
 def test_stable_for_large_mean():
@@ -111,13 +156,24 @@ def test_state_dict_round_trip():
         (lambda m: m.update(torch.ones(2, 3), mask=torch.ones(3).bool()), "mask"),
         (lambda m: m.covariance(), "empty|at least"),
         (lambda m: m.update(torch.ones(2, 3)).update(torch.ones(2, 4)), "d=4"),
-        (lambda m: m.load_state_dict({"mean": torch.zeros(2)}), "count"),
         (lambda m: m.merge(3), "Moments"),
     ],
 )
 def test_bad_input(call, match):
-    with pytest.raises((ValueError, TypeError), match=match):
+    with pytest.raises((UsageError, TypeError), match=match):
         call(Moments())
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"mean": torch.zeros(2)},
+        {"count": torch.tensor(3), "mean": torch.zeros(2), "scatter": torch.zeros(3, 3)},
+    ],
+)
+def test_corrupt_state_is_a_corrupt_file_error(state):
+    with pytest.raises(CorruptFileError):
+        Moments().load_state_dict(state)
 
 
 def test_all_reduce_without_distributed_is_noop():

@@ -1,12 +1,27 @@
-"""TangentBasis: fit, exact split, controls, save/load, bad input."""
+"""TangentBasis: fit, exact split, controls, save/load, shares, overlaps, bad input."""
+
+import json
+import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tangentlens.errors import CorruptFileError, UsageError
+from tangentlens.files import save_tensors
 from tangentlens.stats import Moments
-from tangentlens.subspace import TangentBasis, complement, normal_controls, uniform_controls
+from tangentlens.subspace import (
+    TangentBasis,
+    chance_overlap,
+    complement,
+    normal_controls,
+    shares,
+    split_half_overlap,
+    subspace_overlap,
+    tangent_share,
+    uniform_controls,
+)
 
 
 def _random_basis(d, k, seed=0):
@@ -89,7 +104,71 @@ def test_save_load_round_trip(tmp_path):
     assert torch.equal(b2.basis_, b.basis_)
     assert torch.equal(b2.mean_, b.mean_)
     assert b2.provenance == b.provenance
+    assert b2.eigengap_ == b.eigengap_ > 1
     assert not list(tmp_path.glob("*.tmp"))
+    # files written before the eigengap existed load with eigengap_ = None
+    meta = b.to_dict()
+    del meta["eigengap"]
+    old = save_tensors(tmp_path / "old.safetensors", b.tensors(), {"tangentlens": json.dumps(meta)})
+    assert TangentBasis.load(old).eigengap_ is None
+    flat = Moments().update(torch.randn(50, 2) @ torch.eye(2, 4))  # only 2 directions vary
+    inf_gap = TangentBasis.fit(flat, rank=2).save(tmp_path / "inf.safetensors")
+    assert TangentBasis.load(inf_gap).eigengap_ == math.inf
+
+
+def test_fit_records_the_eigengap():
+    # ±a_i e_i: the covariance is exactly diag(a_i² / 4), so the gaps are known
+    a = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.5], dtype=torch.float64)
+    x = torch.cat([torch.diag(a), -torch.diag(a)])
+    m = Moments().update(x)
+    for k in range(1, 5):
+        assert TangentBasis.fit(m, rank=k).eigengap_ == pytest.approx(a[k - 1] ** 2 / a[k] ** 2)
+    degenerate = Moments().update(x[:, :5] @ torch.eye(5, 7, dtype=torch.float64))
+    assert TangentBasis.fit(degenerate, rank=5).eigengap_ == math.inf
+    assert math.isnan(TangentBasis.fit(degenerate, rank=6).eigengap_)  # not even k vary
+    assert _random_basis(6, 2).eigengap_ is None
+
+
+def test_tangent_share_is_the_trace_ratio():
+    gen = torch.Generator().manual_seed(3)
+    d, k = 10, 3
+    b = _random_basis(d, k, 3)
+    x = torch.randn(400, d, generator=gen, dtype=torch.float64) * torch.arange(1, d + 1) + 2
+    m = Moments().update(x)
+    direct = float((x @ b.basis_).pow(2).sum() / x.pow(2).sum())  # uncentred: E‖xQ‖²/E‖x‖²
+    assert tangent_share(m, b) == pytest.approx(direct, rel=1e-12)
+    assert tangent_share(m.second_moment(), b.basis_) == pytest.approx(direct, rel=1e-12)
+    cov = m.covariance()
+    assert tangent_share(cov, b) == pytest.approx(
+        float(torch.trace(b.basis_.T @ cov @ b.basis_) / torch.trace(cov)), rel=1e-12
+    )
+    out = shares(float((x @ b.basis_).pow(2).sum()), float(x.pow(2).sum()), k, d)
+    assert out["tangent_share"] == pytest.approx(direct, rel=1e-12)
+    assert out["chance_share"] == k / d
+    assert out["share_ratio"] == pytest.approx(direct * d / k, rel=1e-12)
+    assert math.isnan(shares(0.0, 0.0, k, d)["tangent_share"])
+
+
+def test_subspace_overlap_identical_random_and_split_half():
+    d, k = 24, 4
+    b = _random_basis(d, k, 0)
+    assert subspace_overlap(b, b) == pytest.approx(1.0, abs=1e-12)
+    assert subspace_overlap(b, complement(b)[:, :k]) == pytest.approx(0.0, abs=1e-12)
+    random = torch.tensor([subspace_overlap(b, _random_basis(d, k, s)) for s in range(1, 401)])
+    se = float(random.std()) / 20
+    assert abs(float(random.mean()) - chance_overlap(k, d)) < 4 * se
+    assert chance_overlap(k, d) == k / d
+    gen = torch.Generator().manual_seed(1)
+
+    def halves(planted):
+        x = torch.randn(2, 1000, d, generator=gen, dtype=torch.float64)
+        if planted:
+            x = x + 5 * torch.randn(2, 1000, k, generator=gen, dtype=torch.float64) @ b.basis_.T
+        return [Moments().update(h) for h in x]
+
+    assert split_half_overlap(*halves(True), k) > 0.99
+    noise = torch.tensor([split_half_overlap(*halves(False), k) for _ in range(20)])
+    assert abs(float(noise.mean()) - k / d) < 0.08
 
 
 def test_corrupt_file_is_a_clear_error(tmp_path):
@@ -112,17 +191,33 @@ def test_corrupt_file_is_a_clear_error(tmp_path):
         (lambda: TangentBasis.fit(Moments().update(torch.randn(9, 4))), "exactly one"),
         (lambda: _random_basis(6, 2).split(torch.randn(3, 5)), r"\(\.\.\., 6\)"),
         (lambda: normal_controls(_random_basis(6, 4), 3), "does not fit"),
+        (lambda: tangent_share(torch.zeros(6, 6), _random_basis(6, 2)), "no energy"),
+        (lambda: tangent_share(torch.eye(5), _random_basis(6, 2)), r"\(6, 6\)"),
+        (lambda: subspace_overlap(_random_basis(6, 2), _random_basis(6, 3)), "same"),
+        (lambda: shares(1.0, 2.0, 6, 6), r"k (must be|\d+ is too large)"),
+        (lambda: chance_overlap(0, 6), r"k (must be|\d+ is too large)"),
     ],
 )
 def test_bad_input(call, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(UsageError, match=match):
         call()
+
+
+def test_unreadable_basis_files_are_corrupt_file_errors(tmp_path):
+    b = _random_basis(6, 2)
+    no_meta = save_tensors(tmp_path / "a.safetensors", b.tensors(), {})
+    with pytest.raises(CorruptFileError, match="metadata"):
+        TangentBasis.load(no_meta)
+    bent = {**b.tensors(), "basis": b.basis_ * 2}
+    bad = save_tensors(tmp_path / "b.safetensors", bent, {"tangentlens": json.dumps(b.to_dict())})
+    with pytest.raises(CorruptFileError, match="orthonormal"):
+        TangentBasis.load(bad)
 
 
 def test_atomic_files_get_ordinary_permissions(tmp_path):
     import os
 
-    from tangentlens.io import write_text
+    from tangentlens.files import write_text
 
     path = write_text(tmp_path / "report.html", "<html></html>")
     umask = os.umask(0)

@@ -1,0 +1,49 @@
+"""Typed errors and warnings: what went wrong decides what the CLI does with it.
+
+- `UsageError` (a `ValueError`): the person's mistake (bad argument, wrong basis,
+  a folder that belongs to another run). The CLI prints one line and exits 2.
+- `MissingFileError` (a `UsageError` and a `FileNotFoundError`): a path the caller
+  named does not exist.
+- `CorruptFileError` (a `ValueError`): a file on disk is damaged, truncated or not
+  what its name says. One line naming the file and the fix, exit 2.
+- `HubUnavailableError`: a hub id was named but the hub cannot be reached.
+- `ExchangeabilityWarning`: normal controls are not exchangeable with Q_T at this
+  k/d, so their p-values are anti-conservative. Filter it by class, never by text.
+
+Anything else that escapes is a bug: the CLI says so and exits 1.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CorruptFileError",
+    "ExchangeabilityWarning",
+    "HubUnavailableError",
+    "MissingFileError",
+    "TangentlensError",
+    "UsageError",
+]
+
+
+class TangentlensError(Exception):
+    """Base class of every error tangentlens raises on purpose."""
+
+
+class UsageError(TangentlensError, ValueError):
+    """An argument, input or folder the caller can fix; the message names the fix."""
+
+
+class MissingFileError(UsageError, FileNotFoundError):
+    """A file or folder the caller named does not exist."""
+
+
+class CorruptFileError(TangentlensError, ValueError):
+    """A file that cannot be trusted (truncated, tampered, not ours); names the file."""
+
+
+class HubUnavailableError(UsageError, ConnectionError):
+    """A Hugging Face hub id was named but the hub cannot be reached (offline)."""
+
+
+class ExchangeabilityWarning(UserWarning):
+    """Normal controls are not exchangeable with Q_T: their p-values are anti-conservative."""

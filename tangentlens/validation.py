@@ -1,0 +1,74 @@
+"""Argument checks shared by every layer: one rule, one message, one place.
+
+Integers are Python or numpy integers, never booleans; every failure is a
+`UsageError` whose message names the argument and the fix.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from .errors import UsageError
+
+__all__ = [
+    "BACKENDS",
+    "CONTROLS",
+    "check_backend",
+    "check_controls",
+    "check_int",
+    "check_rank",
+    "is_int",
+    "max_rank",
+]
+
+BACKENDS = ("transformer_lens", "nnsight")
+"""Model libraries tangentlens hooks into (`tangentlens.hooks`)."""
+
+CONTROLS = ("uniform", "normal")
+"""Kinds of random matched-rank frames: ``uniform`` over the whole space (exact test),
+``normal`` in the complement of Q_T (the paper's design)."""
+
+
+def is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
+    """``int(value)`` if it is an integer ≥ ``minimum``; a `UsageError` otherwise."""
+    if not is_int(value) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise UsageError(f"{name} must be an int{bound}; got {value!r}.")
+    return int(value)
+
+
+def check_controls(controls: Any) -> str:
+    if controls not in CONTROLS:
+        raise UsageError(f"controls must be one of {CONTROLS}; got {controls!r}.")
+    return str(controls)
+
+
+def check_backend(backend: Any) -> str:
+    if backend not in BACKENDS:
+        raise UsageError(f"backend must be one of {BACKENDS}; got {backend!r}.")
+    return str(backend)
+
+
+def max_rank(d: int, controls: str = "uniform") -> int:
+    """The largest rank a test with these controls takes at dimension ``d``: a normal
+    control of rank k must fit in the (d − k)-dimensional complement."""
+    return d // 2 if check_controls(controls) == "normal" else d - 1
+
+
+def check_rank(rank: Any, d: int, controls: str | None = None, *, name: str = "rank") -> int:
+    """A rank k with 1 <= k < d (and k <= d − k for normal controls)."""
+    limit = d - 1 if controls is None else max_rank(d, controls)
+    if not is_int(rank) or rank < 1:
+        raise UsageError(f"{name} must be a positive int; got {rank!r}.")
+    if rank > limit:
+        why = "normal controls (orthogonal to Q_T) need " if controls == "normal" else "need "
+        raise UsageError(
+            f"{name} {rank} is too large for d_model={d}: {why}{name} <= {limit}; lower the rank."
+        )
+    return int(rank)
