@@ -10,7 +10,6 @@ from _common import model_name, parse_args, token_batches
 
 import tangentlens
 from tangentlens import models
-from tangentlens.hooks.transformer_lens import hook_counts
 
 args = parse_args(__doc__)
 bridge, tokenizer = models.load(model_name(args.fast), backend="transformer_lens")
@@ -25,6 +24,11 @@ seen = []
 
 def my_hook(pattern, hook):
     seen.append((hook.name, float(pattern.detach().norm())))
+
+
+def hook_counts(model):
+    """TransformerLens' own bookkeeping: hooks on every HookPoint."""
+    return {name: (len(hp.fwd_hooks), len(hp.bwd_hooks)) for name, hp in model.hook_dict.items()}
 
 
 hooks_before = hook_counts(bridge)

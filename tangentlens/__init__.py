@@ -1,6 +1,7 @@
 """tangentlens: tangent-subspace probes and anisotropy statistics for language transformers.
 
-Heavy modules load on first use, so ``import tangentlens`` and the CLI start fast.
+Heavy modules load on first use (PEP 562 ``__getattr__``), so ``import tangentlens``
+and the CLI start without torch; the package root sits above every layer.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 _LAZY = {
     "Moments": "tangentlens.stats",
@@ -16,30 +17,39 @@ _LAZY = {
     "normal_controls": "tangentlens.subspace",
     "energy_test": "tangentlens.significance",
     "isotropy_test": "tangentlens.significance",
-    "BasisSet": "tangentlens.probes.session",
-    "fit_bases": "tangentlens.probes.session",
-    "probe": "tangentlens.probes.session",
-    "DepthProfile": "tangentlens.probes.depth",
+    "BasisSet": "tangentlens.probes",
+    "fit_bases": "tangentlens.probes",
+    "probe": "tangentlens.probes",
+    "run": "tangentlens.probes",
+    "DepthProfile": "tangentlens.depth",
     "Site": "tangentlens.hooks.sites",
     "CheckpointSeries": "tangentlens.checkpoints",
     "Study": "tangentlens.study",
     "StudyConfig": "tangentlens.study",
 }
 _SUBMODULES = {
+    "errors",
+    "files",
+    "validation",
     "stats",
     "metrics",
     "subspace",
     "significance",
+    "uncertainty",
+    "decompose",
     "hooks",
     "probes",
-    "checkpoints",
+    "results",
+    "depth",
+    "embedding_geometry",
     "corpus",
-    "embedding",
     "train",
+    "checkpoints",
+    "models",
     "study",
     "report",
-    "models",
-    "io",
+    "workflows",
+    "distributed",
 }
 
 __all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])

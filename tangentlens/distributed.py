@@ -19,22 +19,26 @@ from __future__ import annotations
 import os
 import socket
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-from .stats import Moments
+from .errors import CorruptFileError, UsageError
+from .probes.driver import run
+from .validation import check_int, is_int
 
-__all__ = ["all_reduce_moments", "all_reduce_session", "free_port", "launch", "run_probe", "shard"]
+__all__ = ["all_reduce_session", "free_port", "launch", "run_probe", "shard"]
 
 
 def shard(batches: Sequence[Any], rank: int, world_size: int) -> list[Any]:
     """Rank ``rank``'s contiguous share of ``batches`` (sizes differ by at most one)."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}.")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}.")
+    world_size = check_int(world_size, "world_size", minimum=1)
+    if not is_int(rank) or not 0 <= rank < world_size:
+        raise UsageError(f"rank must be an int in [0, {world_size}); got {rank!r}.")
     items = list(batches)
     base, extra = divmod(len(items), world_size)
     start = rank * base + min(rank, extra)
@@ -57,8 +61,6 @@ def _worker(
     args: tuple,
     queue: Any,
 ) -> None:
-    import torch.distributed as dist
-
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -73,7 +75,7 @@ def _worker(
         if rank == 0:
             queue.put(("ok", _by_value(result)))
     except BaseException as err:
-        if isinstance(err, (ValueError, OSError)):  # a user's mistake: its message
+        if isinstance(err, (UsageError, CorruptFileError, OSError)):  # the user can fix it
             queue.put(("user-error", str(err)))
         elif rank == 0 or not isinstance(err, Exception):
             queue.put(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
@@ -88,16 +90,13 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
 
     ``backend``: ``"gloo"`` (default) reduces CPU and CUDA tensors alike, and the reduced
     statistics are only d × d per site; ``"nccl"`` (one GPU per rank, ``cuda:{rank}``) needs
-    every reduced tensor on the GPU. A `ValueError` or `OSError` in rank 0 is raised again as
-    a `ValueError` with its message; any other failure as a `RuntimeError`.
+    every reduced tensor on the GPU. A `UsageError`, `CorruptFileError` or `OSError` in any
+    rank is raised again as a `UsageError` with its message; any other failure as a
+    `RuntimeError` (a bug).
     """
-    import torch.multiprocessing as mp
-    from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
-
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}.")
+    world_size = check_int(world_size, "world_size", minimum=1)
     if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl'; got {backend!r}.")
+        raise UsageError(f"backend must be 'gloo' or 'nccl'; got {backend!r}.")
     queue = mp.get_context("spawn").SimpleQueue()
     context = mp.spawn(
         _worker,
@@ -124,7 +123,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     # a user's mistake in any rank wins over the errors it caused in the others
     for kind, payload in messages:
         if kind == "user-error":
-            raise ValueError(payload)
+            raise UsageError(payload)
     ok = [payload for kind, payload in messages if kind == "ok"]
     if failure is None and ok:
         return _from_value(ok[0])
@@ -167,55 +166,12 @@ def _from_value(obj: Any) -> Any:
 
 
 # ------------------------------------------------------------------ reductions
-def all_reduce_moments(moments: Mapping[Any, Moments], d: int) -> None:
-    """`Moments.all_reduce_` on each value, in key order (the same on every rank); Moments
-    that saw no data on this rank take dimension ``d`` first."""
-    for key in sorted(moments, key=str):
-        m = moments[key]
-        if m.count == 0:
-            m.load_state_dict(Moments(d=d).state_dict())
-        m.all_reduce_()
-
-
-def _all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    out = tensor.clone()
-    dist.all_reduce(out)
-    return out
-
-
 def all_reduce_session(session: Any) -> Any:
-    """Reduce every statistic of a closed `ProbeSession` over all ranks, in place.
-
-    Gradient and activation `Moments` with `Moments.all_reduce_`; residual energy sums
-    and attention accumulators by summing their state tensors. A session with an
-    activation sample (``reservoir``) cannot be reduced exactly: `ValueError`.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return session
-    d = session.backend.d_model
-    if session.activation is not None:
-        if session.activation.reservoirs:
-            raise ValueError(
-                "activation samples (reservoir=) do not merge across processes; "
-                "run with world_size=1 or reservoir=0."
-            )
-        all_reduce_moments(session.activation.moments, d)
-    if session.gradient is not None:
-        all_reduce_moments(session.gradient.moments, d)
-    if session.residual is not None:
-        sums = session.residual._sums
-        for site in sorted(sums, key=str):
-            sums[site] = _all_reduce_sum(sums[site])
-    for site in sorted(session._attention, key=str):
-        basis, params, acc = session._attention[site]
-        if acc.n_heads is None:  # this rank saw no tokens: zeros of the right shape
-            acc = type(acc)(n_heads=params.n_heads)
-        acc.all_reduce_()
-        session._attention[site] = (basis, params, acc)
+    """Reduce every probe of a closed `ProbeSession` over all ranks, in place, through the
+    `Probe` protocol (`Probe.all_reduce_`). A probe that cannot merge exactly (an
+    activation sample, ``reservoir=``) raises `UsageError`."""
+    for name in sorted(session.probes):
+        session.probes[name].all_reduce_(d=session.backend.d_model)
     return session
 
 
@@ -229,8 +185,6 @@ def _probe_worker(
     probes: Sequence[str],
     options: dict[str, Any],
 ) -> Any:
-    from .probes.session import run
-
     progress = bool(options.pop("progress", False)) and rank == 0
     model = model_factory()
     mine = shard(batches, rank, world_size)
@@ -259,7 +213,7 @@ def run_probe(
     if world_size == 1:
         return _probe_worker(0, 1, model_factory, batches, bases, probes, dict(options))
     if len(batches) < world_size:
-        raise ValueError(
+        raise UsageError(
             f"{len(batches)} batches cannot feed {world_size} processes; pass at least "
             "world_size batches or lower --world-size."
         )

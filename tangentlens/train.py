@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from .checkpoints import METADATA_FILE, quiet_transformers
-from .io import dataclass_from_dict, load_tensors, save_tensors, tensor_hash, write_json
+from .errors import CorruptFileError, UsageError
+from .files import dataclass_from_dict, load_tensors, save_tensors, tensor_hash, write_json
 
 __all__ = ["TrainConfig", "checkpoint_steps", "train"]
 
@@ -99,24 +100,24 @@ class TrainConfig:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TrainConfig.{name} must be a positive int; got {value!r}.")
+                raise UsageError(f"TrainConfig.{name} must be a positive int; got {value!r}.")
         if self.vocab_size < 257:
-            raise ValueError(
+            raise UsageError(
                 f"TrainConfig.vocab_size={self.vocab_size} is below the 256 byte tokens + 1 "
                 "special token of a byte-level BPE; use at least 257."
             )
         if self.d_model % self.n_heads:
-            raise ValueError(
+            raise UsageError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 "change one of them."
             )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise UsageError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
                 "use a divisor of n_heads."
             )
         if (self.d_model // self.n_heads) % 2:
-            raise ValueError("the head dimension d_model/n_heads must be even for rotary.")
+            raise UsageError("the head dimension d_model/n_heads must be even for rotary.")
         checks = {
             "lr": self.lr > 0,
             "warmup_steps": 0 <= self.warmup_steps <= self.max_steps,
@@ -130,7 +131,7 @@ class TrainConfig:
         }
         for name, ok in checks.items():
             if not ok:
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is out of range.")
+                raise UsageError(f"TrainConfig.{name}={getattr(self, name)!r} is out of range.")
 
     @classmethod
     def tiny(cls, **overrides: Any) -> TrainConfig:
@@ -260,7 +261,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is unreadable or corrupt ({err}); delete it and rerun.") from err
+        raise CorruptFileError(
+            f"{path} is unreadable or corrupt ({err}); delete it and rerun."
+        ) from err
 
 
 def _prepare_out_dir(config: TrainConfig, out: Path) -> None:
@@ -270,7 +273,7 @@ def _prepare_out_dir(config: TrainConfig, out: Path) -> None:
     cfg_path = out / CONFIG_FILE
     if cfg_path.exists():
         if _read_json(cfg_path) != json.loads(json.dumps(config.to_dict())):
-            raise ValueError(
+            raise UsageError(
                 f"{out} holds a run with a different TrainConfig; pass the same config to "
                 "resume it, or choose another output folder."
             )
@@ -331,7 +334,7 @@ def _run(config: TrainConfig, out: Path, progress: bool) -> None:
         weights, _ = load_tensors(out / f"step{start}" / "model.safetensors")
         result = model.load_state_dict(weights, strict=False)
         if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
-            raise ValueError(
+            raise UsageError(
                 f"{out / f'step{start}'} does not match this config's model; "
                 "delete the output folder or pass the config it was trained with."
             )

@@ -14,21 +14,16 @@ import pytest
 import torch
 from torch import Tensor
 
-from tangentlens.probes.attention import (
-    STATISTICS,
+from tangentlens.decompose import (
     TERMS,
-    AttentionAccumulator,
     AttentionParams,
-    attention_input_hook,
     decompose_parts,
     decompose_scores,
-    hf_attention_module,
     linearize_norm,
-    norm_from_hf,
-    params_from_bridge,
-    params_from_hf,
-    score_terms,
 )
+from tangentlens.hooks.huggingface import hf_attention_module, norm_from_hf, params_from_hf
+from tangentlens.hooks.transformer_lens import attention_input_hook, params_from_bridge
+from tangentlens.probes.attention import STATISTICS, AttentionAccumulator, score_terms
 from tangentlens.subspace import TangentBasis, complement
 
 HF_ARCHS = ("gpt2", "neox", "llama", "bert")

@@ -119,8 +119,8 @@ def test_hub_revisions_offline_with_injected_loader(run):
         CheckpointSeries.from_hub("org/m", list_revisions=lambda repo: ["main"])
     with pytest.raises(ValueError, match="lacks"):
         CheckpointSeries.from_hub("org/m", [1], revision_format="v1")
-    with pytest.raises(ValueError, match="wrap the HF model yourself"):
-        series.load(0, backend="nnsight")
+    wrapped = series.load(0, backend="nnsight")  # wrapped in memory: no second load
+    assert wrapped.backend_model._module is wrapped.model
 
 
 def test_bad_input_gives_one_line_errors(run, tmp_path):

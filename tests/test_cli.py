@@ -119,11 +119,11 @@ def test_errors_in_a_real_process_and_the_debug_switch(tmp_path: Path) -> None:
     assert (
         debug.returncode == 1
         and "Traceback" in debug.stderr
-        and "FileNotFoundError" in (debug.stderr)
+        and "MissingFileError" in (debug.stderr)
     )
 
 
-PROBE_TINY = ["--rank", "4", "--tokens", "256", "--seq-len", "32", "--controls", "50", "-q"]
+PROBE_TINY = ["--rank", "4", "--tokens", "256", "--seq-len", "32", "--n-controls", "50", "-q"]
 
 
 def test_probe_on_a_tiny_local_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -144,7 +144,7 @@ def test_probe_on_the_real_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture
     """`probe --model smollm2-135m` offline: the bundled real model, two of its 30 layers."""
     out = tmp_path / "smol"
     args = ["probe", "--model", "smollm2-135m", "--layers", "0", "5", "--tokens", "128"]
-    assert main([*args, "--seq-len", "64", "--controls", "50", "--out", str(out), "-q"]) == 0
+    assert main([*args, "--seq-len", "64", "--n-controls", "50", "--out", str(out), "-q"]) == 0
     capsys.readouterr()
     results = pd.read_csv(out / "results.csv")
     assert {"residual", "attention", "gradient"} <= set(results["probe"])
@@ -167,7 +167,7 @@ def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixt
     assert steps == [0, 1, 2, 4, 8]
     first = (out / "report.html").read_text()
     assert first.count("data:image/png;base64,") == 6  # all figures, heads included
-    assert (out / "heads.csv").is_file()
+    assert (out / "heads" / "results.csv").is_file()
 
     ckpt = str(out / "checkpoints")
     assert main(["train", "--quick", "--out", ckpt, "-q"]) == 0

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from tangentlens.distributed import launch, run_probe, shard
+from tangentlens.errors import UsageError
+from tangentlens.hooks.sites import Site
+from tangentlens.probes import ActivationProbe, Observation
 from tangentlens.stats import Moments
 from tangentlens.train import TrainConfig, train
 
@@ -41,19 +44,19 @@ def _moments_worker(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     m = Moments()
     for x in shard(list(_data()), rank, world_size):
         m.update(x)
-    empty = Moments()  # a rank without data still takes part
+    site = Site(0, "resid_pre")
+    probe = ActivationProbe([site])  # a rank without data still takes part
     if rank == 0:
-        empty.update(_data()[0])
+        probe.update(Observation(site, _data()[0]))
     m.all_reduce_()
-    from tangentlens.distributed import all_reduce_moments
-
-    all_reduce_moments({"empty": empty}, d=8)
+    probe.all_reduce_(d=8)
+    empty = probe.moments[site]
     return {"count": torch.tensor(m.count), "cov": m.covariance(), "mean": m.mean, "e": empty.mean}
 
 
 def _failing_worker(rank: int, world_size: int) -> None:
     if rank == 1:
-        raise ValueError("planted failure")
+        raise UsageError("planted failure")
 
 
 def _crashing_worker(rank: int, world_size: int) -> None:
@@ -84,7 +87,7 @@ def _nnsight_model(folder: str):
 
 
 def test_run_probe_two_processes_equal_one(tiny_run):
-    from tangentlens.probes.session import fit_bases
+    from tangentlens.probes import fit_bases
 
     torch.set_num_threads(1)
     factory = functools.partial(_nnsight_model, str(tiny_run / "step24"))
@@ -94,7 +97,7 @@ def test_run_probe_two_processes_equal_one(tiny_run):
     sites = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_post", "blocks.1.ln1.hook_out"]
     bases = fit_bases(model, batches, rank=4, sites=sites, progress=False)
     probes = ("residual", "attention", "gradient", "activation")
-    options = dict(n_controls=100, seed=3, controls="uniform")
+    options = dict(n_controls=100, seed=3)
     one = run_probe(factory, batches, bases, probes, world_size=1, **options)
     two = run_probe(factory, batches, bases, probes, world_size=2, **options)
     keys = ["probe", "site", "layer", "head", "statistic"]

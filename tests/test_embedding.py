@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from tangentlens.embedding import frequency_buckets, frequency_distance, update_split
+from tangentlens.embedding_geometry import frequency_buckets, frequency_distance, update_split
 from tangentlens.subspace import TangentBasis
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import hook_counts
 from models import ALL_MODELS, padded_batch, tl_bridge, tokens
 
 from tangentlens.hooks import KINDS, Site, get_backend, select_sites
-from tangentlens.hooks.transformer_lens import hook_counts
 from tangentlens.probes import fit_bases, probe
 from tangentlens.subspace import TangentBasis
 
@@ -123,7 +123,7 @@ def test_hook_hygiene(arch: str, bases_by_arch: dict) -> None:
         before = hook_counts(model)
         probes = ("residual", "gradient", "attention")
         # plain use, forward and backward, nested in a second session
-        with probe(model, bases, probes, n_controls=50, controls="uniform") as outer:
+        with probe(model, bases, probes, n_controls=50) as outer:
             with probe(model, bases, ("residual",)) as inner:
                 assert hook_counts(model) != before
                 _loss(arch, model, ids).backward()

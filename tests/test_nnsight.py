@@ -9,15 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import hf_hook_counts as hook_counts
 from models import ARCHITECTURES, hf_folder, hf_model, padded_batch, tl_bridge, tokens
 
 from tangentlens.hooks import Site, get_backend
-from tangentlens.hooks.nnsight import (
-    NNsightBackend,
-    hook_counts,
-    moments_from_saved,
-    trace_moments,
-)
+from tangentlens.hooks.nnsight import NNsightBackend, moments_from_saved, trace_moments
 from tangentlens.hooks.transformer_lens import TransformerLensBackend
 from tangentlens.probes import fit_bases, probe, run
 from tangentlens.stats import Moments
@@ -338,7 +334,7 @@ def test_smollm2_probes_on_real_text() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tangentlens import models
-    from tangentlens.probes.attention import decompose_scores
+    from tangentlens.decompose import decompose_scores
 
     folder = models.smollm2_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -10,12 +10,13 @@ import torch
 from models import ALL_MODELS, CAUSAL, padded_batch, tl_bridge, tokens
 from torch import Tensor
 
+from tangentlens.depth import DepthProfile
 from tangentlens.hooks import Site, get_backend
-from tangentlens.probes import BasisSet, DepthProfile, fit_bases, lm_loss, probe, run
+from tangentlens.probes import BasisSet, fit_bases, lm_loss, probe, run
 from tangentlens.probes.activation import Reservoir
 from tangentlens.subspace import TangentBasis
 
-OPTS = {"n_controls": 50, "controls": "uniform", "progress": False}
+OPTS = {"n_controls": 50, "progress": False}
 RANK = 4
 
 

@@ -13,19 +13,17 @@ import pandas as pd
 import pytest
 from matplotlib.figure import Figure
 
-from tangentlens import report
+from tangentlens import report, results
+from tangentlens.hooks.sites import Site
 
-STUDY_COLUMNS = [
-    "checkpoint", "step", "window", "rank", "layer", "head", "site", "probe", "statistic",
-    "value", "ci_low", "ci_high",
-]  # fmt: skip
+STUDY_COLUMNS = list(results.COLUMNS)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def synthetic_results(
     n_layers: int = 3, n_heads: int = 4, steps: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 24)
 ) -> pd.DataFrame:
-    """A study-shaped table (docs/CONTRACTS.md) with planted trends: the energy ratio
+    """A study-shaped table (tangentlens.results) with planted trends: the energy ratio
     falls over training, removing Q_T beats a control, the weighted centre is negative."""
     rng = np.random.default_rng(0)
     n, k = len(steps), max(2, round(0.3 * len(steps)))
@@ -35,8 +33,9 @@ def synthetic_results(
         decay = 1.0 / (1 + i)
 
         def add(probe, site, layer, statistic, value, head=pd.NA, rank=4, step=step, w=window):
+            hook = Site(layer, site).hook_name if isinstance(site, str) else None
             rows.append({"checkpoint": f"step{step}", "step": step, "window": w,
-                         "rank": rank, "layer": layer, "head": head, "site": site,
+                         "rank": rank, "layer": layer, "head": head, "site": site, "hook": hook,
                          "probe": probe, "statistic": statistic, "value": value})  # fmt: skip
 
         for layer in range(n_layers):
@@ -165,7 +164,8 @@ def test_write_report_from_a_table(written: Path) -> None:
 def test_write_report_from_a_folder(tmp_path: Path) -> None:
     table = synthetic_results()
     table[table["probe"] == "residual"].to_csv(tmp_path / "results.csv", index=False)
-    table[table["probe"] == "attention"].to_csv(tmp_path / report.HEADS_FILE, index=False)
+    (tmp_path / "heads").mkdir()
+    table[table["probe"] == "attention"].to_csv(tmp_path / "heads" / "results.csv", index=False)
     (tmp_path / "manifest.json").write_text('{"config": {"n_controls": 50}, "steps": [0]}')
     page = report.write_report(tmp_path, tmp_path)
     assert page == tmp_path / "report.html"

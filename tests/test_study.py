@@ -16,8 +16,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tangentlens.probes.session import BasisSet
-from tangentlens.study import COLUMNS, Study, StudyConfig, _load_part, load_results
+from tangentlens import results
+from tangentlens.probes.bases import BasisSet
+from tangentlens.study import Study, StudyConfig
+from tangentlens.study.collect import load_part
 from tangentlens.train import TrainConfig, train
 
 D_MODEL, N_LAYERS = 32, 2  # TrainConfig.tiny()
@@ -124,7 +126,7 @@ def _stats(frame: pd.DataFrame, **where) -> set[str]:
 
 def test_table_columns_windows_and_statistics(study):
     _, _, frame = study
-    assert list(frame.columns) == COLUMNS
+    assert list(frame.columns) == list(results.COLUMNS)
     assert sorted(frame["step"].unique()) == STEPS
     assert (frame["checkpoint"] == "step" + frame["step"].astype(str)).all()
     windows = frame.groupby("step")["window"].first().to_dict()
@@ -184,9 +186,9 @@ def test_values_are_finite_and_in_range(study):
 
 def test_files_bases_and_manifest(study, series_dir):
     cfg, out, frame = study
-    pd.testing.assert_frame_equal(load_results(out / "results.csv"), frame, check_dtype=False)
+    pd.testing.assert_frame_equal(results.read(out / "results.csv"), frame, check_dtype=False)
     records = json.loads((out / "results.json").read_text())
-    assert len(records) == len(frame) and set(records[0]) == set(COLUMNS)
+    assert len(records) == len(frame) and set(records[0]) == set(results.COLUMNS)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["config"] == cfg.to_dict()
     assert manifest["steps"] == STEPS
@@ -208,7 +210,7 @@ def test_files_bases_and_manifest(study, series_dir):
 
 
 def test_depth_profile_reads_a_checkpoint_slice(study):
-    from tangentlens.probes.depth import DepthProfile
+    from tangentlens.depth import DepthProfile
 
     _, _, frame = study
     one = frame[(frame["step"] == 24) & ((frame["rank"] == 4) | frame["rank"].isna())]
@@ -291,13 +293,13 @@ def _final_files_are_whole(out: Path) -> None:
         if path.is_dir() or path.name.startswith("."):
             continue
         if path.parent.name == "parts":
-            _load_part(path)
+            load_part(path)
         elif path.parent.name == "bases":
             BasisSet.load(path)
         elif path.suffix == ".json":
             json.loads(path.read_text())
         elif path.suffix == ".csv":
-            load_results(path)
+            results.read(path)
 
 
 def test_sigkill_at_random_moments_then_resume_is_identical(study, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tangentlens.io import tensor_hash
+from tangentlens.files import tensor_hash
 from tangentlens.train import TrainConfig, checkpoint_steps, train
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tangentlens.json")

@@ -1,6 +1,11 @@
-"""Where the model is touched: sites, the backend protocol, and its backends."""
+"""Where the model is touched: sites, the backend protocol, and its backends.
 
-from .base import Backend, Handle, get_backend
+Importing this package registers the built-in backends (TransformerLens, nnsight), so
+`get_backend` knows them; `tangentlens.hooks.huggingface` reads plain HF modules.
+"""
+
+from . import nnsight, transformer_lens
+from .base import Backend, Handle, backend_names, get_backend, register_backend
 from .sites import KINDS, RESIDUAL_KINDS, WRITE_KINDS, Site, select_sites
 
 __all__ = [
@@ -10,6 +15,10 @@ __all__ = [
     "Backend",
     "Handle",
     "Site",
+    "backend_names",
     "get_backend",
+    "nnsight",
+    "register_backend",
     "select_sites",
+    "transformer_lens",
 ]

@@ -3,20 +3,23 @@
 A backend wraps one model of one library (TransformerLens, nnsight) and offers
 hooks on `Site`s. Every ``add_*`` method returns a `Handle` whose ``remove()``
 removes exactly that hook and nothing else; probes remove them in ``finally``.
+
+Backends register themselves (`register_backend`) when their module is imported;
+``tangentlens.hooks`` imports every built-in one, so this module names none of them.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from ..decompose import AttentionParams
 from .sites import Site
 
-__all__ = ["Backend", "Handle", "TensorFn", "get_backend"]
+__all__ = ["Backend", "Handle", "TensorFn", "backend_names", "get_backend", "register_backend"]
 
 TensorFn = Callable[[Tensor], Tensor | None]
 """A hook body: gets the activation (forward) or its gradient (backward); returns
@@ -68,40 +71,38 @@ class Backend(Protocol):
         gradients with respect to it). ``fn`` (optional) receives that leaf."""
         ...
 
-    def attention_params(self, layer: int) -> Any:
-        """`tangentlens.probes.attention.AttentionParams` of ``layer``."""
+    def attention_params(self, layer: int) -> AttentionParams:
+        """`AttentionParams` of ``layer``: what the score decomposition needs."""
         ...
 
 
+_REGISTRY: dict[str, tuple[Callable[[Any], bool], Callable[[Any], Backend]]] = {}
+
+
+def register_backend(
+    name: str, matches: Callable[[Any], bool], factory: Callable[[Any], Backend]
+) -> None:
+    """Make `get_backend` wrap every model for which ``matches(model)`` holds with
+    ``factory(model)``; backends are tried in registration order."""
+    _REGISTRY[name] = (matches, factory)
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
 def get_backend(model: Any) -> Backend:
-    """The backend for ``model``: TransformerLens `HookedRootModule` or an nnsight model.
-
-    A `Backend` passes through unchanged.
-    """
-    if _is_transformer_lens(model):
-        from .transformer_lens import TransformerLensBackend
-
-        return TransformerLensBackend(model)
-    if type(model).__module__.split(".")[0] == "nnsight":
-        module = importlib.import_module("tangentlens.hooks.nnsight")
-        return module.get_backend(model)
+    """The backend for ``model`` (TransformerLens `HookedRootModule` / `TransformerBridge`,
+    or an nnsight model). A `Backend` passes through unchanged."""
+    for matches, factory in _REGISTRY.values():
+        if matches(model):
+            return factory(model)
     if isinstance(model, Backend):
         return model
     raise TypeError(
         f"no tangentlens backend for {type(model).__name__}: pass a TransformerLens model "
         "(TransformerBridge, HookedTransformer) or an nnsight model (NNsight, "
         "LanguageModel); wrap a plain Hugging Face model with nnsight.NNsight(model)."
-    )
-
-
-def _is_transformer_lens(model: Any) -> bool:
-    """A TL 3.x `HookedRootModule` or a TL 4.x `TransformerBridge` (not a subclass of it)."""
-    from torch import nn
-
-    return (
-        isinstance(model, nn.Module)
-        and hasattr(model, "hook_dict")
-        and hasattr(model, "run_with_hooks")
     )
 
 

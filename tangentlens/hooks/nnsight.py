@@ -15,27 +15,10 @@ models. Two ways in:
   order and ``.save()``\\ s only each site's count, mean and centred scatter (float64,
   the ``Moments`` state). A ``remote=True`` (NDIF) run therefore transmits O(d²) per
   site, never activations; merge batches on the client with ``Moments.merge``.
-  Importing this module registers ``tangentlens.hooks`` with ``nnsight.register``, so
+  Importing this module registers ``tangentlens`` with ``nnsight.register``, so
   that code ships by value (an NDIF server has no tangentlens installed).
 
-Site → HF module (``in`` = the module's first input, ``out`` = its first output), matching
-TransformerLens 4.x bridges of the same weights:
-
-==========  ===========  =========================  ====================  ===================
-site        GPT-2 h[l]   GPT-NeoX layers[l]         Llama layers[l]       BERT layer[l]
-==========  ===========  =========================  ====================  ===================
-embed       wte out      embed_in out               embed_tokens out      embeddings out
-resid_pre   block in     block in                   block in              block in
-attn_in     ln_1 out     input_layernorm out        input_layernorm out   attention in
-attn_out    attn out     attention out              self_attn out         attention out
-resid_mid   ln_2 in      (none: parallel residual)  post_attention_ln in  output.LayerNorm in
-mlp_out     mlp out      mlp out                    mlp out               output.dense out
-resid_post  block out    block out                  block out             block out
-==========  ===========  =========================  ====================  ===================
-
-BERT is post-norm: its attention input is the block input, ``attn_out`` is the attention
-block's (normalised) output and ``resid_mid`` the sum entering the second LayerNorm,
-exactly as on the TransformerLens BERT bridge.
+The site of each kind in each supported block layout: `tangentlens.hooks.huggingface`.
 """
 
 from __future__ import annotations
@@ -43,126 +26,28 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
+import nnsight
 import torch
 from torch import Tensor, nn
 
-from .base import TensorFn, embedding_leaf
+from ..decompose import AttentionParams
+from ..errors import UsageError
+from ..stats import Moments
+from .base import TensorFn, embedding_leaf, register_backend
+from .huggingface import (
+    first_tensor,
+    hf_attention_module,
+    layout,
+    params_from_hf,
+    submodule,
+    unwrap,
+)
 from .sites import KINDS, Site
 
-__all__ = [
-    "NNsightBackend",
-    "get_backend",
-    "hook_counts",
-    "is_nnsight_model",
-    "moments_from_saved",
-    "trace_moments",
-]
-
-# (module path relative to the block, "in" | "out") per site kind, per block layout.
-_Where = tuple[str, str]
-
-
-@dataclass(frozen=True)
-class _Layout:
-    layers: str  # path from the base model to the ModuleList of blocks
-    embed: _Where  # path from the base model
-    block: Mapping[str, _Where]
-    order: tuple[str, ...]  # block kinds in forward execution order
-    causal: bool = True
-
-
-_PRE_NORM_ORDER = ("resid_pre", "attn_in", "attn_out", "resid_mid", "mlp_out", "resid_post")
-
-_GPT2 = _Layout(
-    "h",
-    ("wte", "out"),
-    {
-        "resid_pre": ("", "in"),
-        "attn_in": ("ln_1", "out"),
-        "attn_out": ("attn", "out"),
-        "resid_mid": ("ln_2", "in"),
-        "mlp_out": ("mlp", "out"),
-        "resid_post": ("", "out"),
-    },
-    _PRE_NORM_ORDER,
-)
-_NEOX_BLOCK = {
-    "resid_pre": ("", "in"),
-    "attn_in": ("input_layernorm", "out"),
-    "attn_out": ("attention", "out"),
-    "resid_mid": ("post_attention_layernorm", "in"),
-    "mlp_out": ("mlp", "out"),
-    "resid_post": ("", "out"),
-}
-_NEOX = _Layout("layers", ("embed_in", "out"), _NEOX_BLOCK, _PRE_NORM_ORDER)
-_NEOX_PARALLEL = _Layout(
-    "layers",
-    ("embed_in", "out"),
-    {k: v for k, v in _NEOX_BLOCK.items() if k != "resid_mid"},
-    tuple(k for k in _PRE_NORM_ORDER if k != "resid_mid"),
-)
-_LLAMA = _Layout(
-    "layers",
-    ("embed_tokens", "out"),
-    {
-        "resid_pre": ("", "in"),
-        "attn_in": ("input_layernorm", "out"),
-        "attn_out": ("self_attn", "out"),
-        "resid_mid": ("post_attention_layernorm", "in"),
-        "mlp_out": ("mlp", "out"),
-        "resid_post": ("", "out"),
-    },
-    _PRE_NORM_ORDER,
-)
-_BERT_BLOCK = {
-    "resid_pre": ("", "in"),
-    "attn_in": ("attention", "in"),
-    "attn_out": ("attention", "out"),
-    "mlp_out": ("output.dense", "out"),
-    "resid_mid": ("output.LayerNorm", "in"),
-    "resid_post": ("", "out"),
-}
-_BERT_ORDER = ("resid_pre", "attn_in", "attn_out", "mlp_out", "resid_mid", "resid_post")
-
-
-def _get(module: nn.Module, path: str) -> nn.Module:
-    return module.get_submodule(path) if path else module
-
-
-def _layout(hf: nn.Module) -> tuple[_Layout, nn.Module]:
-    """The block layout of a Hugging Face model and its base model (the layer stack)."""
-    base = getattr(hf, "base_model", hf)
-    config = getattr(hf, "config", None)
-    model_type = getattr(config, "model_type", "")
-    if model_type == "gpt2" or (hasattr(base, "wte") and hasattr(base, "h")):
-        return _GPT2, base
-    if model_type == "gpt_neox" or hasattr(base, "embed_in"):
-        parallel = bool(getattr(config, "use_parallel_residual", True))
-        return (_NEOX_PARALLEL if parallel else _NEOX), base
-    encoder = getattr(base, "encoder", None)
-    if model_type == "bert" or (
-        hasattr(base, "embeddings") and isinstance(getattr(encoder, "layer", None), nn.ModuleList)
-    ):
-        causal = bool(getattr(config, "is_decoder", False))
-        return _Layout(
-            "encoder.layer", ("embeddings", "out"), _BERT_BLOCK, _BERT_ORDER, causal
-        ), base
-    layers = getattr(base, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) and hasattr(base, "embed_tokens"):
-        block = layers[0]
-        parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-        extra = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-        if all(hasattr(block, p) for p in parts) and not any(hasattr(block, p) for p in extra):
-            return _LLAMA, base
-    raise ValueError(
-        f"the nnsight backend does not know the layout of {type(hf).__name__} "
-        f"(model_type {model_type!r}): supported are GPT-2, GPT-NeoX, Llama-style "
-        "(input_layernorm/self_attn/post_attention_layernorm/mlp) and BERT encoders. "
-        "Load it as a TransformerLens bridge instead (tangentlens.models.load(...))."
-    )
+__all__ = ["NNsightBackend", "is_nnsight_model", "moments_from_saved", "trace_moments"]
 
 
 def is_nnsight_model(model: Any) -> bool:
@@ -170,26 +55,6 @@ def is_nnsight_model(model: Any) -> bool:
     return type(model).__module__.split(".")[0] == "nnsight" and isinstance(
         getattr(model, "_module", None), nn.Module
     )
-
-
-def _unwrap(model: Any) -> nn.Module:
-    if is_nnsight_model(model):
-        return model._module
-    if isinstance(model, nn.Module):
-        return model
-    raise TypeError(
-        f"expected an nnsight model (NNsight, TransformersModel, LanguageModel) or a Hugging "
-        f"Face module; got {type(model).__name__}."
-    )
-
-
-def _first(value: Any, where: str) -> Tensor:
-    """The activation in a module output or input: the tensor itself or the first element."""
-    if isinstance(value, Tensor):
-        return value
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
-        return value[0]
-    raise TypeError(f"expected a tensor (or a tuple starting with one) at {where}; got {value!r}.")
 
 
 def _replacement(new: Any, label: str) -> Tensor | None:
@@ -222,17 +87,6 @@ class _Handle:
             self._module_handle = None
 
 
-def hook_counts(model: Any) -> dict[str, tuple[int, int, int]]:
-    """Per HF module: (forward hooks, forward pre-hooks, backward hooks).
-
-    Hook hygiene means this is identical before and after any probe.
-    """
-    return {
-        name: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
-        for name, m in _unwrap(model).named_modules()
-    }
-
-
 class NNsightBackend:
     """`Backend` for an nnsight model wrapping a Hugging Face transformer.
 
@@ -242,9 +96,9 @@ class NNsightBackend:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.module = _unwrap(model)
-        self.layout, self.base = _layout(self.module)
-        self.blocks: nn.ModuleList = _get(self.base, self.layout.layers)  # type: ignore[assignment]
+        self.module = unwrap(model)
+        self.layout, self.base = layout(self.module)
+        self.blocks: nn.ModuleList = submodule(self.base, self.layout.layers)  # type: ignore[assignment]
         config = self.module.config
         self._d_model = int(getattr(config, "hidden_size", None) or config.n_embd)
 
@@ -273,17 +127,17 @@ class NNsightBackend:
         site = site.without_head()
         if site.kind == "embed":
             path, where = self.layout.embed
-            return _get(self.base, path), where
+            return submodule(self.base, path), where
         if site.kind not in self.layout.block or not 0 <= site.layer < self.n_layers:
             extra = ""
             if site.kind == "resid_mid":
                 extra = " (parallel attention and MLP: no resid_mid; use resid_pre or resid_post)"
-            raise ValueError(
+            raise UsageError(
                 f"site {site} does not exist on this {type(self.module).__name__}{extra}; it has "
                 f"layers 0..{self.n_layers - 1} with {sorted(self.layout.block)} and embed."
             )
         path, where = self.layout.block[site.kind]
-        return _get(self.blocks[site.layer], path), where
+        return submodule(self.blocks[site.layer], path), where
 
     # ------------------------------------------------------------------ hooks
     def add_forward_hook(self, site: Site, fn: TensorFn) -> _Handle:
@@ -311,7 +165,7 @@ class NNsightBackend:
         if where == "out":
 
             def forward_hook(mod: nn.Module, args: tuple, output: Any) -> Any:
-                new = _replacement(fn(_first(output, label)), label)
+                new = _replacement(fn(first_tensor(output, label)), label)
                 if new is None:
                     return None
                 if isinstance(output, Tensor):
@@ -322,7 +176,7 @@ class NNsightBackend:
 
         def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
             if args:
-                new = _replacement(fn(_first(args, label)), label)
+                new = _replacement(fn(first_tensor(args, label)), label)
                 return None if new is None else ((new, *args[1:]), kwargs)
             if "hidden_states" not in kwargs:
                 raise TypeError(f"{label} was called without hidden_states.")
@@ -356,45 +210,32 @@ class NNsightBackend:
         return self._hook(Site(0, "embed"), embedding_leaf(fn, force), prepend=True)
 
     # -------------------------------------------------------------- attention
-    def attention_params(self, layer: int) -> Any:
-        """`tangentlens.probes.attention.AttentionParams` of ``layer``, from the HF attention
-        module (its weights, ``scaling`` and the model's own rotary). Its input is the
-        ``attn_in`` site."""
-        from ..probes.attention import hf_attention_module, params_from_hf
-
+    def attention_params(self, layer: int) -> AttentionParams:
+        """`AttentionParams` of ``layer``, from the HF attention module (its weights,
+        ``scaling`` and the model's own rotary). Its input is the ``attn_in`` site."""
         if not 0 <= layer < self.n_layers:
-            raise ValueError(f"layer must be in 0..{self.n_layers - 1}; got {layer}.")
+            raise UsageError(f"layer must be in 0..{self.n_layers - 1}; got {layer}.")
         attn, rotary_emb = hf_attention_module(self.module, layer)
         params = params_from_hf(attn, rotary_emb=rotary_emb)
         return replace(params, causal=self.causal) if params.causal != self.causal else params
 
 
-def get_backend(model: Any) -> NNsightBackend:
-    """The backend for an nnsight model (dispatched to from `tangentlens.hooks.get_backend`)."""
-    return NNsightBackend(model)
+register_backend("nnsight", is_nnsight_model, NNsightBackend)
 
 
 # ---------------------------------------------------------------- remote-ready statistics
-def _ship_by_value() -> None:
-    """Have nnsight serialize ``tangentlens.hooks`` code by value: an NDIF server does not
-    have tangentlens installed, so :func:`trace_moments` travels with the request."""
-    from nnsight import register
-
-    register("tangentlens.hooks")
-
-
-_ship_by_value()
+# nnsight serializes tangentlens code by value: an NDIF server does not have tangentlens
+# installed, so :func:`trace_moments` travels with the request.
+nnsight.register("tangentlens")
 
 
 def _envoy_at(root: Any, path: str) -> Any:
     """The envoy of the module at ``path`` below ``root``: nnsight moves a submodule named
     like one of its own attributes (BERT's ``output``) to ``E_<name>``."""
-    from nnsight import Envoy
-
     envoy = root
     for part in filter(None, path.split(".")):
-        if inspect.isdatadescriptor(getattr(Envoy, part, None)):
-            part = f"{Envoy.OVERLOAD_PREFIX}{part}"
+        if inspect.isdatadescriptor(getattr(nnsight.Envoy, part, None)):
+            part = f"{nnsight.Envoy.OVERLOAD_PREFIX}{part}"
         envoy = getattr(envoy, part)
     return envoy
 
@@ -403,7 +244,7 @@ def _base_path(model: Any, base: nn.Module) -> str:
     for name, module in model._module.named_modules():
         if module is base:
             return name
-    raise ValueError("the base model is not part of the wrapped module.")
+    raise UsageError("the base model is not part of the wrapped module.")
 
 
 def _reduce(x: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
@@ -448,8 +289,6 @@ def trace_moments(
             saved = trace_moments(lm, ["blocks.3.hook_resid_post"], batch["attention_mask"])
         moments = moments_from_saved(saved)
     """
-    from nnsight import save
-
     backend = NNsightBackend(model)
     prefix = _base_path(model, backend.base)
     stats: dict[str, dict[str, Tensor]] = {}
@@ -461,14 +300,12 @@ def trace_moments(
             path = ".".join(filter(None, (backend.layout.layers, str(site.layer), block)))
         envoy = _envoy_at(model, f"{prefix}.{path}" if prefix else path)
         value = envoy.input if where == "in" else envoy.output
-        stats[site.hook_name] = _reduce(_first(value, str(site)), mask)
-    return save(stats)
+        stats[site.hook_name] = _reduce(first_tensor(value, str(site)), mask)
+    return nnsight.save(stats)
 
 
 def moments_from_saved(saved: Mapping[str, Mapping[str, Tensor]]) -> dict[Site, Any]:
     """`Moments` per `Site` from what :func:`trace_moments` saved."""
-    from ..stats import Moments
-
     return {
         Site.from_hook_name(name): Moments().load_state_dict(dict(state))
         for name, state in saved.items()

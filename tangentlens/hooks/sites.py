@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from ..errors import UsageError
+
 __all__ = [
     "KINDS",
     "RESIDUAL_KINDS",
@@ -64,13 +66,13 @@ class Site:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}; got {self.kind!r}.")
+            raise UsageError(f"kind must be one of {KINDS}; got {self.kind!r}.")
         if not isinstance(self.layer, int) or self.layer < 0:
-            raise ValueError(f"layer must be an int >= 0; got {self.layer!r}.")
+            raise UsageError(f"layer must be an int >= 0; got {self.layer!r}.")
         if self.kind == "embed" and self.layer != 0:
-            raise ValueError("the embed site has layer 0; use Site(0, 'embed').")
+            raise UsageError("the embed site has layer 0; use Site(0, 'embed').")
         if self.head is not None and (not isinstance(self.head, int) or self.head < 0):
-            raise ValueError(f"head must be None or an int >= 0; got {self.head!r}.")
+            raise UsageError(f"head must be None or an int >= 0; got {self.head!r}.")
 
     @property
     def hook_name(self) -> str:
@@ -87,7 +89,7 @@ class Site:
         match = _BLOCK.match(name)
         if match and match.group(2) in _BY_SUFFIX:
             return cls(int(match.group(1)), _BY_SUFFIX[match.group(2)])
-        raise ValueError(
+        raise UsageError(
             f"{name!r} is not a probe site; use one of "
             + ", ".join(f"blocks.{{l}}.{s}" for s in _CANONICAL.values())
             + ", hook_embed, or a Site(layer, kind)."
@@ -126,7 +128,7 @@ def select_sites(available: Iterable[Site], names_filter: NamesFilter = None) ->
     for name in names:
         site = Site.parse(name)
         if site not in known:
-            raise ValueError(
+            raise UsageError(
                 f"site {site} does not exist on this model; available: "
                 f"{sorted({s.kind for s in available})} at layers "
                 f"0..{max((s.layer for s in available), default=0)}."
@@ -136,7 +138,7 @@ def select_sites(available: Iterable[Site], names_filter: NamesFilter = None) ->
     return out
 
 
-def missing_site_error(site: Site, available: Iterable[Site], n_layers: int) -> ValueError:
+def missing_site_error(site: Site, available: Iterable[Site], n_layers: int) -> UsageError:
     """The error for a site the model does not have, naming what it has."""
     hint = (
         " (parallel attention and MLP: no resid_mid; use resid_pre or resid_post)"
@@ -144,7 +146,7 @@ def missing_site_error(site: Site, available: Iterable[Site], n_layers: int) -> 
         else ""
     )
     kinds = sorted({s.kind for s in available})
-    return ValueError(
+    return UsageError(
         f"site {site} does not exist on this model{hint}; it has layers 0..{n_layers - 1} "
         f"with {kinds}. Drop that basis or refit."
     )

@@ -20,14 +20,25 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from torch import Tensor, nn
+from transformer_lens.model_bridge.sources.native.model import NativeAttention
 
-from .base import TensorFn, embedding_leaf
+from ..decompose import AttentionParams, NormParams
+from ..errors import UsageError
+from .base import TensorFn, embedding_leaf, register_backend
+from .huggingface import norm_from_module, params_from_hf
 from .sites import KINDS, Site, missing_site_error
 
-__all__ = ["TransformerLensBackend", "hook_counts"]
+__all__ = [
+    "TransformerLensBackend",
+    "attention_input_hook",
+    "is_transformer_lens",
+    "norm_from_bridge",
+    "params_from_bridge",
+]
 
 # Negative levels are never used by TL's own context managers (they count up from 0).
 _LEVELS = itertools.count(start=-(1 << 20), step=-1)
@@ -71,31 +82,6 @@ class _TorchHandle:
         self._handle.remove()
 
 
-def hook_counts(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Hooks on every module (and on a bridge's wrapped HF model): torch's forward-pre,
-    forward, backward-pre and backward hooks, plus TL's fwd/bwd handle lists on
-    HookPoints. Hook hygiene means this is identical before and after any probe."""
-    from transformer_lens.hook_points import HookPoint
-
-    roots = [("", model)]
-    original = getattr(model, "original_model", None)
-    if isinstance(original, nn.Module) and original is not model:
-        roots.append(("original_model.", original))
-    counts: dict[str, tuple[int, ...]] = {}
-    for prefix, root in roots:
-        for name, module in root.named_modules():
-            row = (
-                len(module._forward_pre_hooks),
-                len(module._forward_hooks),
-                len(module._backward_pre_hooks),
-                len(module._backward_hooks),
-            )
-            if isinstance(module, HookPoint):
-                row += (len(module.fwd_hooks), len(module.bwd_hooks))
-            counts[prefix + name] = row
-    return counts
-
-
 class TransformerLensBackend:
     """`Backend` for a TransformerLens model; see `tangentlens.hooks.base.Backend`."""
 
@@ -137,13 +123,7 @@ class TransformerLensBackend:
 
     def _pre_norm(self, layer: int) -> bool:
         """ln1 is applied before attention (not inside it, as in BERT's post-norm)."""
-        block = self.model.blocks[layer]
-        ln1, attn = getattr(block, "ln1", None), getattr(block, "attn", None)
-        if ln1 is None or attn is None:
-            return False
-        ln_module = getattr(ln1, "original_component", None) or ln1
-        attn_module = getattr(attn, "original_component", None) or attn
-        return not any(m is ln_module for m in attn_module.modules())
+        return not _is_post_norm(self.model, layer)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -212,11 +192,109 @@ class TransformerLensBackend:
         return self._add(Site(0, "embed"), embedding_leaf(fn, force), "fwd")
 
     # -------------------------------------------------------------- attention
-    def attention_params(self, layer: int) -> Any:
-        """`tangentlens.probes.attention.AttentionParams` of ``layer`` (weights, scale and
-        the model's own rotary, read from the bridge)."""
-        from ..probes.attention import params_from_bridge
-
+    def attention_params(self, layer: int) -> AttentionParams:
+        """`AttentionParams` of ``layer`` (weights, scale and the model's own rotary, read
+        from the bridge)."""
         if not 0 <= layer < self.n_layers:
-            raise ValueError(f"layer must be in 0..{self.n_layers - 1}; got {layer}.")
+            raise UsageError(f"layer must be in 0..{self.n_layers - 1}; got {layer}.")
         return params_from_bridge(self.model, layer)
+
+
+def _tl_attention(model: Any, layer: int) -> Any:
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise TypeError(
+            f"{type(model).__name__} has no .blocks: pass a TransformerLens TransformerBridge "
+            "(or use params_from_hf for a plain Hugging Face model)."
+        )
+    if not 0 <= layer < len(blocks):
+        raise UsageError(f"layer must be in [0, {len(blocks)}); got {layer}.")
+    return blocks[layer].attn
+
+
+def params_from_bridge(model: Any, layer: int) -> AttentionParams:
+    """:class:`AttentionParams` of ``layer`` from a TransformerLens 4.x bridge.
+
+    Weights come from the bridge's ``W_Q``/``W_K``/``b_Q``/``b_K``; the scale and the
+    rotary from the wrapped module (HF ``scaling`` and the model's ``rotary_emb`` with
+    its ``apply_rotary_pos_emb``; the native model's ``rotary.apply_rope`` and
+    ``1/scale``).
+    """
+    attn = _tl_attention(model, layer)
+    orig = getattr(attn, "original_component", None)
+    if orig is None:
+        raise UsageError(
+            f"blocks.{layer}.attn wraps no module: params_from_bridge needs a TransformerLens "
+            "4.x TransformerBridge (boot_transformers / boot_native)."
+        )
+    w_q, w_k, b_q, b_k = (
+        None if t is None else t.detach() for t in (attn.W_Q, attn.W_K, attn.b_Q, attn.b_K)
+    )
+    if w_q.ndim != 3:
+        raise UsageError(f"blocks.{layer}.attn.W_Q has shape {tuple(w_q.shape)}; expected 3-D.")
+    if isinstance(orig, NativeAttention):
+        if orig.attn_scores_soft_cap > 0:
+            raise UsageError("attn_scores_soft_cap is set: soft-capped scores are not additive.")
+        rotary = None
+        if orig.rotary is not None:
+            native_rotary = orig.rotary
+
+            def rotary(q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+                return native_rotary.apply_rope(q, k, position_ids=positions)
+
+        return AttentionParams(w_q, w_k, b_q, b_k, 1.0 / float(orig.scale), rotary, orig.causal)
+    hf_params = params_from_hf(orig, rotary_emb=_bridge_rotary_emb(model))
+    return replace(hf_params, W_Q=w_q, W_K=w_k, b_Q=b_q, b_K=b_k)
+
+
+def _bridge_rotary_emb(model: Any) -> nn.Module | None:
+    rot = getattr(model, "rotary_emb", None)
+    if rot is None:
+        return None
+    return getattr(rot, "original_component", None) or rot
+
+
+def _is_post_norm(model: Any, layer: int) -> bool:
+    block = model.blocks[layer]
+    ln1 = getattr(block, "ln1", None)
+    if ln1 is None:
+        return True
+    ln_mod = getattr(ln1, "original_component", None) or ln1
+    attn_mod = getattr(block.attn, "original_component", None) or block.attn
+    return any(m is ln_mod for m in attn_mod.modules())
+
+
+def attention_input_hook(model: Any, layer: int) -> str:
+    """Hook name of ``layer``'s attention input, where its basis should be fitted.
+
+    ``blocks.{l}.ln1.hook_out`` on pre-norm models; ``blocks.{l}.attn.hook_in`` (the
+    residual stream) on post-norm encoders such as BERT, whose ``ln1`` comes after
+    attention.
+    """
+    _tl_attention(model, layer)
+    if _is_post_norm(model, layer):
+        return f"blocks.{layer}.attn.hook_in"
+    return f"blocks.{layer}.ln1.hook_out"
+
+
+def norm_from_bridge(model: Any, layer: int) -> NormParams:
+    """The ``ln1`` of a pre-norm bridge layer as :class:`NormParams`."""
+    if _is_post_norm(model, layer):
+        raise UsageError(
+            f"layer {layer} is post-norm (ln1 follows attention): its attention input is "
+            "the residual stream; use site='attn_in'."
+        )
+    ln1 = model.blocks[layer].ln1
+    return norm_from_module(getattr(ln1, "original_component", None) or ln1)
+
+
+def is_transformer_lens(model: Any) -> bool:
+    """A TL 3.x `HookedRootModule` or a TL 4.x `TransformerBridge` (not a subclass of it)."""
+    return (
+        isinstance(model, nn.Module)
+        and hasattr(model, "hook_dict")
+        and hasattr(model, "run_with_hooks")
+    )
+
+
+register_backend("transformer_lens", is_transformer_lens, TransformerLensBackend)

@@ -1,29 +1,34 @@
 """What is measured at a site: residual, attention, gradient and activation probes.
 
 `probe` (context manager), `run` (driver with a progress bar) and `fit_bases` work on
-any model with a backend (`tangentlens.hooks.get_backend`).
+any model with a backend (`tangentlens.hooks.get_backend`). Every probe follows the
+`Probe` protocol (`tangentlens.probes.base`).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-from .session import PROBES, BasisSet, ProbeSession, fit_bases, lm_loss, probe, run
+from .activation import ActivationProbe
+from .attention import AttentionProbe
+from .base import Observation, Probe
+from .bases import BasisSet
+from .driver import fit_bases, lm_loss, run, unpack_batch
+from .gradient import GradientProbe
+from .residual import ResidualProbe
+from .session import PROBES, ProbeSession, probe
 
 __all__ = [
     "PROBES",
+    "ActivationProbe",
+    "AttentionProbe",
     "BasisSet",
-    "DepthProfile",
+    "GradientProbe",
+    "Observation",
+    "Probe",
     "ProbeSession",
+    "ResidualProbe",
     "fit_bases",
     "lm_loss",
     "probe",
     "run",
+    "unpack_batch",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "DepthProfile":
-        return importlib.import_module("tangentlens.probes.depth").DepthProfile
-    raise AttributeError(f"module 'tangentlens.probes' has no attribute {name!r}")

@@ -8,13 +8,17 @@ tokens are split into batches. Memory: ``size × d`` per site, whatever the stre
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor
 
+from ..errors import UsageError
 from ..hooks.sites import Site
-from ..stats import Moments, SharedBatch
-from .residual import _row
+from ..stats import Moments
+from ..validation import check_int
+from .base import Observation, Probe, row
 
 __all__ = ["ActivationProbe", "Reservoir"]
 
@@ -23,9 +27,7 @@ class Reservoir:
     """A uniform sample of at most ``size`` rows from a stream (algorithm R)."""
 
     def __init__(self, size: int, seed: int = 0) -> None:
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"size must be an int >= 1; got {size!r}.")
-        self.size = size
+        self.size = check_int(size, "reservoir size", minimum=1)
         self.seen = 0
         self._rng = np.random.Generator(np.random.PCG64(seed))
         self._rows: Tensor | None = None
@@ -51,20 +53,22 @@ class Reservoir:
     def sample(self) -> Tensor:
         """The sample, ``(min(size, seen), d)`` float32."""
         if self._rows is None:
-            raise ValueError("the reservoir is empty; run some tokens through the model first.")
+            raise UsageError("the reservoir is empty; run some tokens through the model first.")
         return self._rows[: min(self.size, self.seen)].clone()
 
 
-class ActivationProbe:
-    """`Moments` of the activations at each site, and optionally a `Reservoir`."""
+class ActivationProbe(Probe):
+    """`Moments` of the activations at each site, and optionally a `Reservoir` (a
+    per-process sample: it is not part of the mergeable state)."""
 
     name = "activation"
 
-    def __init__(self, sites: list[Site], reservoir: int = 0, seed: int = 0) -> None:
-        if not isinstance(reservoir, int) or reservoir < 0:
-            raise ValueError(f"reservoir must be an int >= 0 (0: no sample); got {reservoir!r}.")
-        self.moments: dict[Site, Moments] = {s: Moments() for s in sites}
-        self._shared = SharedBatch()
+    def __init__(self, sites: list[Site], *, reservoir: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        reservoir = check_int(reservoir, "reservoir (0: no sample)", minimum=0)
+        self._sites = list(sites)
+        for site in self._sites:
+            self.add_state(site.hook_name, Moments)
         self.reservoirs: dict[Site, Reservoir] = (
             {s: Reservoir(reservoir, seed=seed + i) for i, s in enumerate(sites)}
             if reservoir
@@ -72,19 +76,33 @@ class ActivationProbe:
         )
 
     @property
-    def sites(self) -> list[Site]:
-        return list(self.moments)
+    def forward_sites(self) -> list[Site]:
+        return list(self._sites)
 
-    def update(self, site: Site, x: Tensor, mask: Tensor | None = None) -> None:
-        self.moments[site].add_batch(*self._shared(x, mask))
-        if site in self.reservoirs:
-            self.reservoirs[site].update(x, mask)
+    @property
+    def moments(self) -> dict[Site, Moments]:
+        """Site → activation `Moments`."""
+        return {s: self.state(s.hook_name) for s in self._sites}
 
-    def rows(self) -> list[dict]:
+    def update(self, obs: Observation) -> None:
+        self.state(obs.site.hook_name).add_batch(*obs.statistics())
+        if obs.site in self.reservoirs:
+            self.reservoirs[obs.site].update(obs.tensor, obs.mask)
+
+    def all_reduce_(self, group: Any = None, *, d: int | None = None) -> ActivationProbe:
+        if self.reservoirs:
+            raise UsageError(
+                "activation samples (reservoir=) do not merge across processes; "
+                "run with world_size=1 or reservoir=0."
+            )
+        super().all_reduce_(group, d=d)
+        return self
+
+    def rows(self) -> list[dict[str, Any]]:
         out = []
         for site, m in self.moments.items():
             if m.count == 0:
                 continue
-            out.append(_row(self.name, site, "mean_sq_norm", m.trace_second_moment()))
-            out.append(_row(self.name, site, "n_tokens", float(m.count)))
+            out.append(row(self.name, site, "mean_sq_norm", m.trace_second_moment()))
+            out.append(row(self.name, site, "n_tokens", float(m.count)))
         return out

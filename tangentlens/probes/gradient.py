@@ -5,11 +5,11 @@ tests run on those d × d statistics (`tangentlens.significance`), so a thousand
 matched-rank controls cost matrix algebra, not another pass:
 
 - from `energy_test`: ``tangent_share`` (gradient energy in Q_T), ``chance_share``,
-  ``energy_ratio`` (tangent share over the mean share of normal controls),
-  ``p_value`` (controls with at least that share, add-one), ``normalized_ratio``
-  (energy ratio divided by Q_T's own activation-energy ratio, from the activation
-  Moments collected at the site in the same session: the activations whose gradients
-  are tested);
+  ``energy_ratio`` (tangent share over the exact mean share of matched-rank normal
+  controls), ``p_value`` (uniform controls with at least that share, add-one),
+  ``p_value_normal`` (the paper's complement controls), ``normalized_ratio`` (energy
+  ratio divided by Q_T's own activation-energy ratio, from the activation Moments
+  this probe also collects at the site: the activations whose gradients are tested);
 - from `isotropy_test`: ``delta_iso_tangent`` and ``delta_iso_normal`` (change of
   IsoScore* when Q_T, or a normal control, is projected out) and ``isotropy_p_value``.
 
@@ -19,68 +19,71 @@ Works on frozen models: the session makes the embedding output require grad.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from torch import Tensor
-
+from ..errors import UsageError
 from ..hooks.sites import RESIDUAL_KINDS, Site
-from ..stats import Moments, SharedBatch
+from ..significance import tangent_tests
+from ..stats import Moments
 from ..subspace import TangentBasis
-from .residual import _row
+from ..validation import check_int
+from .base import Observation, Probe, row
 
 __all__ = ["GradientProbe"]
 
 
-class GradientProbe:
+class GradientProbe(Probe):
     """Gradient `Moments` per residual site and their tests against the site's basis."""
 
     name = "gradient"
 
     def __init__(
-        self,
-        bases: Mapping[Site, TangentBasis],
-        n_controls: int = 1000,
-        seed: int = 0,
-        controls: str = "normal",
+        self, bases: Mapping[Site, TangentBasis], *, n_controls: int = 1000, seed: int = 0
     ) -> None:
+        super().__init__()
         for site in bases:
             if site.kind not in RESIDUAL_KINDS:
-                raise ValueError(
+                raise UsageError(
                     f"the gradient probe reads residual sites {RESIDUAL_KINDS}; got {site}."
                 )
-        if not isinstance(n_controls, int) or n_controls < 1:
-            raise ValueError(f"n_controls must be an int >= 1; got {n_controls!r}.")
         self.bases = dict(bases)
-        self.n_controls = n_controls
-        self.seed = seed
-        if controls not in ("normal", "uniform"):
-            raise ValueError(f"controls must be 'normal' or 'uniform'; got {controls!r}.")
-        self.controls = controls
-        self.moments: dict[Site, Moments] = {s: Moments() for s in bases}
-        self._shared = SharedBatch()
+        self.n_controls = check_int(n_controls, "n_controls", minimum=1)
+        self.seed = check_int(seed, "seed", minimum=0)
+        for site in self.bases:
+            self.add_state(f"act/{site.hook_name}", Moments)
+            self.add_state(f"grad/{site.hook_name}", Moments)
 
     @property
-    def sites(self) -> list[Site]:
+    def forward_sites(self) -> list[Site]:
         return list(self.bases)
 
-    def update(self, site: Site, grad: Tensor, mask: Tensor | None = None) -> None:
-        self.moments[site].add_batch(*self._shared(grad, mask))
+    @property
+    def backward_sites(self) -> list[Site]:
+        return list(self.bases)
 
-    def rows(self, activation_moments: Mapping[Site, Moments] | None = None) -> list[dict]:
-        from ..significance import tangent_tests
+    def update(self, obs: Observation) -> None:
+        self.state(f"act/{obs.site.hook_name}").add_batch(*obs.statistics())
 
+    def update_gradient(self, obs: Observation) -> None:
+        self.state(f"grad/{obs.site.hook_name}").add_batch(*obs.statistics())
+
+    def moments(self, kind: str = "grad") -> dict[Site, Moments]:
+        """Site → `Moments` of the gradients (``kind="grad"``) or activations (``"act"``)."""
+        return {s: self.state(f"{kind}/{s.hook_name}") for s in self.bases}
+
+    def rows(self) -> list[dict[str, Any]]:
         out = []
-        for site, grads in self.moments.items():
+        acts = self.moments("act")
+        for site, grads in self.moments("grad").items():
             if grads.count == 0:
                 continue
-            acts = (activation_moments or {}).get(site)
             values = tangent_tests(
                 grads,
                 self.bases[site],
                 n_controls=self.n_controls,
                 seed=self.seed,
-                controls=self.controls,
-                activation_moments=acts if acts is not None and acts.count else None,
+                activation_moments=acts[site] if acts[site].count else None,
             )
             values["n_tokens"] = float(grads.count)
-            out += [_row(self.name, site, k, v) for k, v in values.items()]
+            out += [row(self.name, site, k, v) for k, v in values.items()]
         return out

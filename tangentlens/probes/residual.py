@@ -21,16 +21,17 @@ numbers as one pass; no activation is kept.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..errors import UsageError
 from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site
-from ..subspace import TangentBasis
+from ..subspace import TangentBasis, shares
+from .base import Observation, Probe, Sum, row
 
 __all__ = ["ResidualProbe", "energy_sums", "write_basis_site"]
-
-STATISTICS = ("tangent_share", "chance_share", "share_ratio", "mean_sq_norm", "n_tokens")
 
 
 @torch.no_grad()
@@ -53,7 +54,7 @@ def energy_sums(x: Tensor, basis: TangentBasis, mask: Tensor | None = None) -> T
 def write_basis_site(write: Site, bases: Mapping[Site, object], n_layers: int) -> Site | None:
     """The residual site whose basis measures ``write`` (see the module docstring)."""
     if write.kind not in WRITE_KINDS:
-        raise ValueError(f"write must be an attn_out or mlp_out site; got {write}.")
+        raise UsageError(f"write must be an attn_out or mlp_out site; got {write}.")
     candidates = [Site(write.layer, "resid_post")]
     if write.kind == "attn_out":
         candidates.insert(0, Site(write.layer, "resid_mid"))
@@ -62,55 +63,41 @@ def write_basis_site(write: Site, bases: Mapping[Site, object], n_layers: int) -
     return next((c for c in candidates if c in bases), None)
 
 
-class ResidualProbe:
+class ResidualProbe(Probe):
     """Accumulates `energy_sums` per site. ``bases`` maps each measured site (residual
     sites and writes) to the basis it is measured in."""
 
     name = "residual"
 
     def __init__(self, bases: Mapping[Site, TangentBasis]) -> None:
+        super().__init__()
         for site in bases:
             if site.kind not in (*RESIDUAL_KINDS, *WRITE_KINDS):
-                raise ValueError(
+                raise UsageError(
                     f"the residual probe measures residual sites and writes; got {site}."
                 )
         self.bases = dict(bases)
-        self._sums: dict[Site, Tensor] = {s: torch.zeros(3, dtype=torch.float64) for s in bases}
+        for site in self.bases:
+            self.add_state(site.hook_name, lambda: Sum((3,)))
 
     @property
-    def sites(self) -> list[Site]:
+    def forward_sites(self) -> list[Site]:
         return list(self.bases)
 
-    def update(self, site: Site, x: Tensor, mask: Tensor | None = None) -> None:
-        sums = energy_sums(x, self.bases[site], mask)
-        self._sums[site] = sums + self._sums[site].to(sums.device)
+    def update(self, obs: Observation) -> None:
+        sums = energy_sums(obs.tensor, self.bases[obs.site], obs.mask)
+        self.state(obs.site.hook_name).add(sums)
 
-    def rows(self) -> list[dict]:
+    def rows(self) -> list[dict[str, Any]]:
         out = []
-        for site, sums in self._sums.items():
-            total, tangent, n = sums.tolist()
+        for site, basis in self.bases.items():
+            total, tangent, n = self.state(site.hook_name).value.tolist()
             if n == 0:
                 continue
-            basis = self.bases[site]
-            share = tangent / total if total > 0 else float("nan")
-            chance = basis.k / basis.d
             values = {
-                "tangent_share": share,
-                "chance_share": chance,
-                "share_ratio": share / chance,
+                **shares(tangent, total, basis.k, basis.d),
                 "mean_sq_norm": total / n,
                 "n_tokens": n,
             }
-            out += [_row(self.name, site, stat, v) for stat, v in values.items()]
+            out += [row(self.name, site, stat, v) for stat, v in values.items()]
         return out
-
-
-def _row(probe: str, site: Site, statistic: str, value: float) -> dict:
-    return {
-        "probe": probe,
-        "site": site.kind,
-        "layer": site.layer,
-        "head": site.head,
-        "statistic": statistic,
-        "value": value,
-    }

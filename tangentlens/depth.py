@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .errors import UsageError
+
 __all__ = ["DepthProfile"]
 
 _COLUMNS = (
@@ -49,9 +51,9 @@ class DepthProfile:
 
         missing = {"site", "layer", "statistic", "value"} - set(results.columns)
         if missing:
-            raise ValueError(f"results lacks columns {sorted(missing)}; pass session.results().")
+            raise UsageError(f"results lacks columns {sorted(missing)}; pass session.results().")
         if threshold <= 0 or not 0 < alpha <= 1:
-            raise ValueError(f"need threshold > 0 and 0 < alpha <= 1; got {threshold}, {alpha}.")
+            raise UsageError(f"need threshold > 0 and 0 < alpha <= 1; got {threshold}, {alpha}.")
         self.site, self.threshold, self.alpha = site, threshold, alpha
         probe = (
             results["probe"] if "probe" in results.columns else pd.Series("", index=results.index)
@@ -64,7 +66,7 @@ class DepthProfile:
                 & ((probe == probe_name) | (probe == ""))
             ]
             if rows["layer"].duplicated().any():
-                raise ValueError(
+                raise UsageError(
                     f"results hold several {stat!r} rows per layer at {kind!r} (several "
                     "checkpoints or runs?); filter them to one first."
                 )
@@ -83,7 +85,7 @@ class DepthProfile:
             columns=list(_COLUMNS),
         ).sort_index()
         if table[["share_ratio", "energy_ratio"]].isna().all().all():
-            raise ValueError(
+            raise UsageError(
                 f"no residual share_ratio or gradient energy_ratio at site {site!r} in results; "
                 f"sites present: {sorted(results['site'].unique())}."
             )

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .errors import UsageError
 from .subspace import TangentBasis
 
 __all__ = ["frequency_buckets", "frequency_distance", "update_split"]
@@ -29,20 +30,20 @@ def _as_f64(x: Any, name: str) -> np.ndarray:
         x = x.detach().cpu().double().numpy()
     arr = np.asarray(x, dtype=np.float64)
     if not np.isfinite(arr).all():
-        raise ValueError(f"{name} contains NaN or Inf; check the model weights or counts.")
+        raise UsageError(f"{name} contains NaN or Inf; check the model weights or counts.")
     return arr
 
 
 def _check_inputs(embeddings: Any, counts: Any) -> tuple[np.ndarray, np.ndarray]:
     e = _as_f64(embeddings, "embeddings")
     if e.ndim != 2:
-        raise ValueError(f"embeddings must be (vocab, d); got shape {e.shape}.")
+        raise UsageError(f"embeddings must be (vocab, d); got shape {e.shape}.")
     c = _as_f64(counts, "counts").reshape(-1)
     if (c < 0).any():
-        raise ValueError("counts must be non-negative token counts.")
+        raise UsageError("counts must be non-negative token counts.")
     if c.size > e.shape[0]:
         if c[e.shape[0] :].any():
-            raise ValueError(
+            raise UsageError(
                 f"counts has {c.size} entries with tokens beyond the {e.shape[0]} embedding "
                 "rows; count with the model's own tokenizer."
             )
@@ -100,11 +101,11 @@ def frequency_distance(
     ``*_null_std`` and the two-sided ``*_p_value`` (distance from the null mean).
     """
     if n_permutations < 1:
-        raise ValueError(f"n_permutations must be at least 1 (use ≥ 200); got {n_permutations}.")
+        raise UsageError(f"n_permutations must be at least 1 (use ≥ 200); got {n_permutations}.")
     e, c = _check_inputs(embeddings, counts)
     seen = c > 0
     if seen.sum() < 3:
-        raise ValueError(
+        raise UsageError(
             f"only {int(seen.sum())} tokens are seen in the corpus; correlations need at "
             "least 3: count tokens over more text."
         )
@@ -145,7 +146,7 @@ def frequency_buckets(
     """Token ids by frequency: ``q1`` (rarest) … ``q{n}`` (most frequent) over the seen
     tokens (equal sizes, ties broken by id), and ``unseen``."""
     if n_buckets < 1:
-        raise ValueError(f"n_buckets must be positive; got {n_buckets}.")
+        raise UsageError(f"n_buckets must be positive; got {n_buckets}.")
     c = _as_f64(counts, "counts").reshape(-1)
     if vocab is not None:
         c = np.pad(c, (0, max(0, vocab - c.size)))[:vocab]
@@ -175,13 +176,13 @@ def update_split(
     """
     e0, e1 = _as_f64(before, "before"), _as_f64(after, "after")
     if e0.shape != e1.shape or e0.ndim != 2:
-        raise ValueError(
+        raise UsageError(
             f"before and after must be (vocab, d) of one shape; got {e0.shape} and {e1.shape}."
         )
     q = basis.basis_ if isinstance(basis, TangentBasis) else torch.as_tensor(basis)
     q = q.detach().cpu().double().numpy()
     if q.shape[0] != e0.shape[1]:
-        raise ValueError(
+        raise UsageError(
             f"the basis is for d={q.shape[0]} but the embeddings have d={e0.shape[1]}; "
             "fit the basis on this model's embedding space."
         )

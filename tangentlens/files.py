@@ -1,8 +1,9 @@
-"""Atomic file writes and safetensors round trips (no pickle anywhere)."""
+"""Atomic file writes, safetensors round trips (no pickle anywhere) and content hashes."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import tempfile
@@ -11,9 +12,21 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
-__all__ = ["atomic_write", "load_tensors", "save_tensors", "write_json", "write_text"]
+from .errors import CorruptFileError, MissingFileError, UsageError
+
+__all__ = [
+    "atomic_write",
+    "dataclass_from_dict",
+    "load_tensors",
+    "save_tensors",
+    "tensor_hash",
+    "write_json",
+    "write_text",
+]
 
 T = TypeVar("T")
 _UMASK = os.umask(0)
@@ -30,7 +43,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise OSError(
+        raise UsageError(
             f"cannot create the output folder {path.parent}: {err.strerror}; "
             "choose a writable --out."
         ) from err
@@ -57,24 +70,20 @@ def write_json(path: str | Path, obj: Any) -> Path:
 
 
 def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> Path:
-    from safetensors.torch import save_file
-
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     return atomic_write(path, lambda p: save_file(tensors, str(p), metadata=metadata))
 
 
 def load_tensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; check the path.")
+        raise MissingFileError(f"{path} does not exist; check the path.")
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = dict(fh.metadata() or {})
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
     except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(
+        raise CorruptFileError(
             f"{path} is corrupt or truncated ({err}); delete it and re-create it."
         ) from err
     return tensors, meta
@@ -85,14 +94,12 @@ def dataclass_from_dict(cls: type[T], d: Mapping[str, Any]) -> T:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ValueError(f"unknown {cls.__name__} keys {unknown}; valid keys are {sorted(known)}.")
+        raise UsageError(f"unknown {cls.__name__} keys {unknown}; valid keys are {sorted(known)}.")
     return cls(**d)
 
 
 def tensor_hash(tensors: dict[str, Tensor]) -> str:
     """SHA-256 over names, dtypes, shapes and bytes of a state dict (order independent)."""
-    import hashlib
-
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()

@@ -1,0 +1,204 @@
+"""The Probe protocol: what is measured at a site, as a mergeable metric.
+
+A probe is a stateful metric in the torchmetrics sense. It declares the sites it
+reads (`forward_sites`, `backward_sites`); the session calls `update` with each
+forward activation and `update_gradient` with each gradient, as an `Observation`;
+`rows` turns the state into results rows. Its state is a set of named `Mergeable`
+statistics (`Moments`, `Sum`, `AttentionAccumulator`) registered with `add_state`, so one
+implementation of `merge`, `state_dict` / `load_state_dict`, `all_reduce_` and
+`reset` serves every probe: shards, processes and checkpoints combine exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..errors import CorruptFileError, UsageError
+from ..hooks.sites import Site
+from ..stats import Moments, SharedBatch
+
+__all__ = ["Mergeable", "Observation", "Probe", "Sum", "row"]
+
+M = TypeVar("M")
+
+
+@dataclass
+class Observation:
+    """One tensor seen at a site: an activation (forward) or its gradient (backward).
+
+    ``mask`` ``(batch, pos)`` is True at positions that count (padding and positions
+    whose gradient is zero by construction are False). `statistics` is computed once
+    per tensor and shared by every probe that asks (and by views of the same tensor).
+    """
+
+    site: Site
+    tensor: Tensor
+    mask: Tensor | None = None
+    cache: SharedBatch = field(default_factory=SharedBatch)
+
+    def statistics(self) -> tuple[int, Tensor, Tensor]:
+        """(count, mean, centred scatter) of the kept rows, float64."""
+        return self.cache(self.tensor, self.mask)
+
+
+def row(probe: str, site: Site, statistic: str, value: float, **extra: Any) -> dict[str, Any]:
+    """One results row (schema: `tangentlens.results`)."""
+    return {
+        "probe": probe,
+        "hook": site.hook_name,
+        "site": site.kind,
+        "layer": site.layer,
+        "head": site.head,
+        "statistic": statistic,
+        "value": value,
+        **extra,
+    }
+
+
+class Mergeable(Protocol):
+    """A sufficient statistic that combines exactly: `Moments`, `Sum`,
+    `tangentlens.probes.attention.AttentionAccumulator`."""
+
+    def merge(self, other: Any) -> Any: ...
+
+    def state_dict(self) -> dict[str, Tensor]: ...
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> Any: ...
+
+    def all_reduce_(self, group: Any = None) -> Any: ...
+
+
+class Sum:
+    """A float64 tensor of sums (energies, counts): merged by addition."""
+
+    def __init__(self, shape: tuple[int, ...] = ()) -> None:
+        self.value = torch.zeros(shape, dtype=torch.float64)
+
+    def add(self, value: Tensor) -> None:
+        """``value`` is added where it lives (no host sync per batch)."""
+        self.value = value.to(torch.float64) + self.value.to(value.device)
+
+    def merge(self, other: Sum) -> Sum:
+        if other.value.shape != self.value.shape:
+            raise UsageError(f"cannot merge sums of shape {tuple(other.value.shape)}.")
+        self.add(other.value)
+        return self
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"sum": self.value.detach().cpu().clone()}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> Sum:
+        value = torch.as_tensor(state.get("sum", torch.empty(0)), dtype=torch.float64)
+        if value.shape != self.value.shape or not bool(torch.isfinite(value).all()):
+            raise CorruptFileError(
+                f"a saved sum has shape {tuple(value.shape)} or non-finite values; "
+                f"expected finite {tuple(self.value.shape)}."
+            )
+        self.value = value.clone()
+        return self
+
+    def all_reduce_(self, group: Any = None) -> Sum:
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(self.value, group=group)
+        return self
+
+
+class Probe:
+    """Base class of every probe; subclasses set ``name`` and register their state."""
+
+    name: ClassVar[str] = "probe"
+
+    def __init__(self) -> None:
+        self._states: dict[str, Mergeable] = {}
+        self._factories: dict[str, Callable[[], Mergeable]] = {}
+
+    # ------------------------------------------------------------------ sites
+    @property
+    def forward_sites(self) -> list[Site]:
+        """Sites whose activations this probe reads."""
+        return []
+
+    @property
+    def backward_sites(self) -> list[Site]:
+        """Sites whose gradients this probe reads."""
+        return []
+
+    def update(self, obs: Observation) -> None:
+        """Fold in one forward activation at ``obs.site``."""
+        raise NotImplementedError(f"{type(self).__name__} reads no activations.")
+
+    def update_gradient(self, obs: Observation) -> None:
+        """Fold in one gradient at ``obs.site``."""
+        raise NotImplementedError(f"{type(self).__name__} reads no gradients.")
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Results rows from the current state."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ state
+    def add_state(self, key: str, factory: Callable[[], M]) -> M:
+        """Register a mergeable state under ``key``; ``factory()`` makes it afresh."""
+        self._factories[key] = factory
+        self._states[key] = factory()
+        return self._states[key]  # type: ignore[return-value]
+
+    def state(self, key: str) -> Any:
+        return self._states[key]
+
+    def reset(self) -> None:
+        """Forget everything seen; the sites and options stay."""
+        self._states = {key: make() for key, make in self._factories.items()}
+
+    def merge(self, other: Probe) -> Probe:
+        """Fold ``other``'s state (same probe, same sites) into this one; exact."""
+        if type(other) is not type(self) or set(other._states) != set(self._states):
+            raise UsageError(
+                f"cannot merge {type(other).__name__} into {type(self).__name__}: "
+                "merge probes of one kind built on the same sites."
+            )
+        for key, state in other._states.items():
+            self._states[key].merge(state)
+        return self
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {
+            f"{key}/{name}": t.detach().cpu().clone()
+            for key, state in self._states.items()
+            for name, t in state.state_dict().items()
+        }
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> Probe:
+        """Replace the state by ``state`` (from `state_dict` of the same probe)."""
+        for key, make in self._factories.items():
+            prefix = f"{key}/"
+            own = {k.removeprefix(prefix): t for k, t in state.items() if k.startswith(prefix)}
+            if not own:
+                raise CorruptFileError(
+                    f"the saved state has nothing for {key}; load a state saved by the same "
+                    f"{type(self).__name__} (same sites)."
+                )
+            self._states[key] = make().load_state_dict(own)
+        return self
+
+    def all_reduce_(self, group: Any = None, *, d: int | None = None) -> Probe:
+        """Sum the state over the ranks of ``torch.distributed`` in place (no-op when it
+        is not initialised): every rank ends with the statistics of all ranks. ``d``
+        sizes the `Moments` this rank saw no data for, so every rank joins each reduce."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        for key in sorted(self._states):
+            state = self._states[key]
+            if isinstance(state, Moments) and state.count == 0 and d is not None:
+                state = self._states[key] = Moments(d=d)
+            state.all_reduce_(group)
+        return self
+
+    def __repr__(self) -> str:
+        sites = sorted({s.hook_name for s in self.forward_sites + self.backward_sites})
+        return f"{type(self).__name__}({len(sites)} sites)"

@@ -1,0 +1,124 @@
+"""`BasisSet`: one tangent basis per site, saved as one file with its provenance."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptFileError
+from ..files import load_tensors, save_tensors
+from ..hooks.sites import KINDS, Site
+from ..stats import Moments
+from ..subspace import TangentBasis
+
+__all__ = ["BasisSet", "as_bases", "site_order"]
+
+
+class BasisSet(Mapping[str, TangentBasis]):
+    """Site → `TangentBasis`, keyed by canonical hook name (``blocks.3.hook_resid_pre``).
+
+    Lookups accept a `Site` or any hook name `Site.parse` knows. ``moments`` holds the
+    activation `Moments` the bases were fitted on (when built by `fit_bases`; not saved).
+    ``save``/``load`` use one safetensors file with the provenance as JSON in its header.
+    """
+
+    def __init__(
+        self,
+        bases: Mapping[str | Site, TangentBasis],
+        provenance: dict[str, Any] | None = None,
+        moments: Mapping[str | Site, Moments] | None = None,
+    ) -> None:
+        by_site: dict[Site, TangentBasis] = {}
+        for key, basis in bases.items():
+            if not isinstance(basis, TangentBasis):
+                raise TypeError(
+                    f"bases[{key!r}] must be a TangentBasis; got {type(basis).__name__}."
+                )
+            by_site[Site.parse(key).without_head()] = basis
+        self._bases = dict(sorted(by_site.items(), key=lambda kv: site_order(kv[0])))
+        self.provenance = dict(provenance or {})
+        self.moments = {Site.parse(k).hook_name: m for k, m in (moments or {}).items()}
+
+    def __getitem__(self, key: str | Site) -> TangentBasis:
+        site = Site.parse(key).without_head()
+        if site not in self._bases:
+            raise KeyError(f"no basis for {site}; this set has {list(self)}.")
+        return self._bases[site]
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return Site.parse(key).without_head() in self._bases  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return False
+
+    def __iter__(self) -> Iterator[str]:
+        return (s.hook_name for s in self._bases)
+
+    def __len__(self) -> int:
+        return len(self._bases)
+
+    def sites(self) -> list[Site]:
+        return list(self._bases)
+
+    def by_site(self) -> dict[Site, TangentBasis]:
+        return dict(self._bases)
+
+    def save(self, path: str | Path) -> Path:
+        """Write all bases to one ``.safetensors`` file (atomic)."""
+        tensors = {
+            f"{site.hook_name}/{name}": t
+            for site, basis in self._bases.items()
+            for name, t in basis.tensors().items()
+        }
+        meta = {
+            "provenance": self.provenance,
+            "bases": {s.hook_name: b.to_dict() for s, b in self._bases.items()},
+        }
+        return save_tensors(path, tensors, {"tangentlens_basis_set": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> BasisSet:
+        """Read a file written by `save`; anything damaged is a `CorruptFileError`."""
+        tensors, header = load_tensors(path)
+        if "tangentlens_basis_set" not in header:
+            raise CorruptFileError(
+                f"{path} is not a saved BasisSet (no tangentlens_basis_set header); "
+                "pass a file written by BasisSet.save or fit_bases."
+            )
+        try:
+            meta = json.loads(header["tangentlens_basis_set"])
+            bases = {}
+            for name, info in meta["bases"].items():
+                prefix = name + "/"
+                own = {
+                    k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)
+                }
+                bases[name] = TangentBasis.from_tensors(own, info)
+            return cls(bases, provenance=meta.get("provenance"))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError, ValueError) as err:
+            raise CorruptFileError(
+                f"{path} is a damaged BasisSet ({type(err).__name__}: {err}); fit the bases again."
+            ) from err
+
+    def __repr__(self) -> str:
+        return f"BasisSet({len(self)} sites: {', '.join(self)})"
+
+
+def site_order(site: Site) -> tuple[int, int]:
+    """Sort key: by layer, then in forward order within a block."""
+    return site.layer, KINDS.index(site.kind)
+
+
+def as_bases(bases: Mapping[str | Site, TangentBasis] | None) -> dict[Site, TangentBasis]:
+    if bases is None:
+        return {}
+    if isinstance(bases, BasisSet):
+        return bases.by_site()
+    if not isinstance(bases, Mapping):
+        raise TypeError(
+            f"bases must be a BasisSet or a dict hook name -> TangentBasis; "
+            f"got {type(bases).__name__}. Build one with fit_bases(model, batches, rank=k)."
+        )
+    return BasisSet(bases).by_site()

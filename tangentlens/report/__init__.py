@@ -1,0 +1,40 @@
+"""Figures, the summary against the paper, and a self-contained HTML report from a
+long results table (`tangentlens.results`).
+
+>>> from tangentlens import report
+>>> report.write_report("runs/study", "runs/study/report.html")   # a study's folder
+>>> fig = report.plot_depth_profile(session.results())
+"""
+
+from .figures import (
+    FIGURES,
+    Rendered,
+    plot_depth_profile,
+    plot_energy_over_training,
+    plot_frequency_distance,
+    plot_head_heatmap,
+    plot_intrinsic_dimension,
+    plot_isotropy_removal,
+    render_figures,
+)
+from .page import load_results, write_report
+from .summary import Claim, format_summary, summary
+from .table import PAPER
+
+__all__ = [
+    "FIGURES",
+    "PAPER",
+    "Claim",
+    "Rendered",
+    "format_summary",
+    "load_results",
+    "plot_depth_profile",
+    "plot_energy_over_training",
+    "plot_frequency_distance",
+    "plot_head_heatmap",
+    "plot_intrinsic_dimension",
+    "plot_isotropy_removal",
+    "render_figures",
+    "summary",
+    "write_report",
+]

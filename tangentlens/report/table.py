@@ -1,0 +1,122 @@
+"""The report's view of a results table: one rank, finite values, window helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ..errors import UsageError
+from ..results import frame, select
+
+__all__ = [
+    "ALPHA",
+    "CENTRES",
+    "PAPER",
+    "final",
+    "per_step",
+    "pick",
+    "prepare",
+    "ranks",
+    "residual_site",
+    "steps",
+    "window_means",
+    "window_spans",
+]
+ALPHA = 0.05
+CENTRES = {
+    "mean_all": "mean of all rows",
+    "mean_seen": "mean of seen rows",
+    "weighted": "frequency-weighted mean",
+    "norm": "origin (norm)",
+}
+
+
+PAPER = {
+    "frequency": "strong negative frequency–distance correlation for decoders",
+    "energy_early": "gradient energy concentrated in Q_T early in training (ratio ≫ 1)",
+    "energy_late": "weaker late in training than early",
+    "isotropy": "removing Q_T raises IsoScore* more than removing a normal control",
+}
+
+
+def ranks(results: pd.DataFrame) -> list[int]:
+    """The ranks k of Q_T a table holds (a study may sweep several)."""
+    if "rank" not in results.columns:
+        return []
+    return sorted(int(r) for r in results["rank"].dropna().unique())
+
+
+def prepare(results: pd.DataFrame, *, rank: int | None = None) -> pd.DataFrame:
+    """The table in the results schema, reduced to one rank of Q_T: ``rank``, or the
+    smallest when the table holds several (the report says which it shows). Rows
+    without a rank (per-checkpoint losses, embedding correlations) are kept."""
+    if not isinstance(results, pd.DataFrame):
+        raise TypeError(f"results must be a pandas DataFrame; got {type(results).__name__}.")
+    try:
+        t = frame(results, ("checkpoint", "step", "window", "rank"))
+    except (UsageError, ValueError, TypeError) as err:
+        raise UsageError(
+            f"not a tangentlens results table ({err}); re-create it with `tangentlens study` "
+            "or `tangentlens probe`."
+        ) from err
+    present = ranks(t)
+    if rank is not None and rank not in present:
+        raise UsageError(f"the table has no rows of rank {rank}; it holds ranks {present}.")
+    if present:
+        chosen = present[0] if rank is None else rank
+        t = select(t, rank=[None, chosen])
+    return t
+
+
+def pick(
+    t: pd.DataFrame, statistic: str, *, site: str | None = None, probe: str | None = None
+) -> pd.DataFrame:
+    """Finite rows of one statistic (optionally at one site kind, from one probe)."""
+    keep = (t["statistic"] == statistic) & np.isfinite(t["value"].astype(float))
+    if site is not None:
+        keep &= t["site"] == site
+    if probe is not None:
+        keep &= (t["probe"] == probe).fillna(False) | t["probe"].isna()
+    return t[keep]
+
+
+def residual_site(t: pd.DataFrame) -> str:
+    present = set(t["site"].dropna().unique())
+    return next((s for s in ("resid_pre", "resid_mid", "resid_post") if s in present), "resid_pre")
+
+
+def steps(t: pd.DataFrame) -> list[int]:
+    return sorted(int(s) for s in t["step"].dropna().unique())
+
+
+def window_spans(t: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    spans = {}
+    for name in ("early", "late"):
+        in_window = t.loc[t["window"] == name, "step"].dropna()
+        if len(in_window):
+            spans[name] = (float(in_window.min()), float(in_window.max()))
+    return spans
+
+
+def per_step(frame: pd.DataFrame) -> pd.DataFrame:
+    """Mean, min and max over layers per step."""
+    return frame.groupby("step")["value"].agg(["mean", "min", "max"])
+
+
+def window_means(frame: pd.DataFrame) -> tuple[float | None, float | None]:
+    out = []
+    for name in ("early", "late"):
+        v = frame.loc[frame["window"] == name, "value"]
+        out.append(float(v.mean()) if len(v) else None)
+    return out[0], out[1]
+
+
+def final(t: pd.DataFrame, statistic: str) -> float | None:
+    """Mean of ``statistic`` at the last step (or over the whole table without steps)."""
+    rows = pick(t, statistic)
+    if rows.empty:
+        return None
+    seen = steps(rows)
+    if seen:
+        rows = rows[rows["step"] == seen[-1]]
+    return float(rows["value"].mean())

@@ -1,0 +1,319 @@
+"""A study's analysis: the results table from the part files alone (deterministic).
+
+Per site one rank-k PCA Q_T of the pooled early-window activations
+(``bases/rank{k}.safetensors``), then per checkpoint the energy and isotropy tests
+(IsoScore* reference: the trace-normalised gradient covariance averaged over all
+checkpoints at that site, scaled to each checkpoint's trace), activation shares (the
+depth profile), intrinsic dimension, effective rank, IsoScore, frequency–distance
+correlations and the tangent share of the embedding update.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from .. import results
+from ..embedding_geometry import frequency_distance, update_split
+from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site
+from ..metrics import effective_rank, isoscore, participation_ratio, twonn_dimension
+from ..probes.bases import BasisSet
+from ..probes.residual import write_basis_site
+from ..significance import tangent_tests
+from ..stats import Moments
+from ..subspace import TangentBasis, shares, tangent_share
+from ..version import __version__
+from .collect import Part
+from .config import StudyConfig
+
+__all__ = ["analyse"]
+
+_Z95 = 1.959963984540054
+
+
+def _fisher_ci(r: float, n: int, spearman: bool) -> tuple[float, float]:
+    """95 % interval of a correlation by Fisher's z (Fieller's variance for Spearman)."""
+    if n <= 3 or not math.isfinite(r) or abs(r) >= 1:
+        return math.nan, math.nan
+    se = math.sqrt((1.06 if spearman else 1.0) / (n - 3))
+    z = math.atanh(r)
+    return math.tanh(z - _Z95 * se), math.tanh(z + _Z95 * se)
+
+
+def _pooled_shape(moments: list[Moments]) -> Tensor:
+    """Mean over checkpoints of the trace-normalised gradient covariance C/tr(C): each
+    checkpoint weighs the same, whatever its gradient scale."""
+    shapes = []
+    for m in moments:
+        c = m.covariance(ddof=1)
+        shapes.append(c / torch.trace(c))
+    return torch.stack(shapes).mean(0)
+
+
+def _merge(moments: list[Moments]) -> Moments:
+    out = Moments()
+    for m in moments:
+        out.merge(m)
+    return out
+
+
+class _Rows:
+    """Accumulates table rows of one checkpoint at a time."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.step = 0
+        self.window = ""
+
+    def at(self, step: int, window: str) -> _Rows:
+        self.step, self.window = step, window
+        return self
+
+    def add(
+        self,
+        probe: str,
+        values: Mapping[str, Any],
+        *,
+        rank: int | None = None,
+        site: Site | None = None,
+        cis: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
+        where = {
+            "hook": None if site is None else site.hook_name,
+            "site": None if site is None else site.kind,
+            "layer": None if site is None else site.layer,
+        }
+        for stat, value in values.items():
+            low, high = (cis or {}).get(stat, (math.nan, math.nan))
+            self.rows.append(
+                {
+                    "checkpoint": f"step{self.step}",
+                    "step": self.step,
+                    "window": self.window,
+                    "rank": rank,
+                    "probe": probe,
+                    **where,
+                    "head": None,
+                    "statistic": stat,
+                    "value": math.nan if value is None else float(value),
+                    "ci_low": low,
+                    "ci_high": high,
+                }
+            )
+
+    def frame(self) -> pd.DataFrame:
+        return results.frame(self.rows, results.COLUMNS)
+
+
+def _fit_bases(
+    cfg: StudyConfig,
+    series: Any,
+    early: list[int],
+    parts: dict[int, Part],
+    sites: list[Site],
+    out: Path,
+) -> dict[int, dict[Site, Any]]:
+    """Rank → site → Q_T from the pooled early-window activations; saved as `BasisSet`s."""
+    pooled = {s: _merge([parts[t].acts[s] for t in early]) for s in sites}
+    provenance = {
+        "model": series.name,
+        "early_steps": early,
+        "weights_hashes": {str(t): parts[t].meta["weights_hash"] for t in early},
+        "sites": [s.hook_name for s in sites],
+        "seed": cfg.seed,
+        "library": f"tangentlens {__version__}",
+        "n_tokens": pooled[sites[0]].count,
+    }
+    bases = {}
+    for k in cfg.ranks:
+        info = {**provenance, "rank": k}
+        bases[k] = {
+            s: TangentBasis.fit(pooled[s], k, provenance={"site": s.hook_name, **info})
+            for s in sites
+        }
+        BasisSet(bases[k], provenance=info).save(out / "bases" / f"rank{k}.safetensors")
+    return bases
+
+
+def _site_rows(
+    rows: _Rows,
+    cfg: StudyConfig,
+    part: Part,
+    site: Site,
+    bases: dict[int, dict[Site, Any]],
+    pooled_shape: Tensor,
+) -> None:
+    """Activation and gradient statistics at one residual site of one checkpoint."""
+    act, grad = part.acts[site], part.grads[site]
+    free = {}
+    if site in part.samples:
+        free["twonn_dimension"] = twonn_dimension(part.samples[site])
+    free |= {
+        "effective_rank": effective_rank(act),
+        "participation_ratio": participation_ratio(act),
+        "isoscore": isoscore(act),
+        "mean_sq_norm": act.trace_second_moment(),
+        "n_tokens": act.count,
+    }
+    rows.add("activation", free, site=site)
+    grad_free = {
+        "grad_isoscore": isoscore(grad),
+        "grad_effective_rank": effective_rank(grad),
+        "n_tokens": grad.count,
+    }
+    rows.add("gradient", grad_free, site=site)
+    # IsoScore* reference: the pooled gradient covariance, rescaled to this checkpoint's
+    # trace (gradient scale falls ~1000x in training; unscaled, the reference would swamp
+    # the late checkpoints' own covariance).
+    reference = pooled_shape * torch.trace(grad.covariance(ddof=1))
+    for k in cfg.ranks:
+        basis = bases[k][site]
+        tests = tangent_tests(
+            grad,
+            basis,
+            n_controls=cfg.n_controls,
+            seed=cfg.seed,
+            zeta=cfg.zeta,
+            reference=reference,
+            activation_moments=act,
+        )
+        rows.add("gradient", tests, rank=k, site=site)
+        rows.add("residual", _share_stats(act, basis), rank=k, site=site)
+
+
+def _embedding_rows(
+    rows: _Rows,
+    cfg: StudyConfig,
+    embed: Tensor,
+    prev: Tensor | None,
+    counts: Any,
+    bases: dict[int, Any] | None,
+) -> None:
+    """Frequency–distance statistics, and the split of the update since ``prev``."""
+    site = Site(0, "embed")
+    table = frequency_distance(embed, counts, n_permutations=cfg.n_permutations, seed=cfg.seed)
+    values = dict(zip(table["statistic"], table["value"], strict=True))
+    n_seen = int(values["n_seen"])
+    cis = {
+        stat: _fisher_ci(values[stat], n_seen, stat.startswith("spearman"))
+        for stat in values
+        if re.fullmatch(r"(pearson|spearman)_(mean_all|mean_seen|weighted|norm)", stat)
+    }
+    rows.add("embedding", values, site=site, cis=cis)
+    if prev is None or bases is None:
+        return
+    for k, basis in bases.items():
+        split = update_split(prev, embed, basis, counts)
+        named = {
+            f"update_{stat}" + ("" if bucket == "all" else f"_{bucket}"): value
+            for bucket, stat, value in split.itertuples(index=False)
+        }
+        rows.add("embedding", named, rank=k, site=site)
+
+
+def analyse(
+    cfg: StudyConfig,
+    series: Any,
+    windows: dict[str, list[int]],
+    parts: dict[int, Part],
+    counts: Tensor,
+    out: Path,
+    progress: bool,
+) -> tuple[Any, dict[str, Any]]:
+    """The results table from the parts (deterministic), and the manifest's facts."""
+    start = time.perf_counter()
+    steps = series.steps
+    window = {s: "middle" for s in steps}
+    for name in ("early", "late"):
+        for i in windows[name]:
+            window[steps[i]] = name
+    early = [steps[i] for i in windows["early"]]
+    hashes = {s: parts[s].meta["weights_hash"] for s in steps}
+    first_with = {}
+    for s in steps:
+        first_with.setdefault(hashes[s], s)
+    duplicates = {s: first_with[hashes[s]] for s in steps if first_with[hashes[s]] != s}
+    first = parts[steps[0]]
+    n_layers, d = first.meta["n_layers"], first.meta["d_model"]
+    cfg.check_ranks(d)
+    sites = sorted(first.grads, key=lambda s: (s.layer, RESIDUAL_KINDS.index(s.kind)))
+    writes = sorted((s for s in first.acts if s.kind in WRITE_KINDS), key=lambda s: s.hook_name)
+    pooled_shape = {s: _pooled_shape([parts[t].grads[s] for t in steps]) for s in sites}
+    bases = _fit_bases(cfg, series, early, parts, sites, out)
+    embed_site = Site(0, "resid_pre")
+    embed_bases = {k: b[embed_site] for k, b in bases.items()} if embed_site in sites else None
+
+    rows = _Rows()
+    counts_np = counts.numpy()
+    prev: Tensor | None = None
+    for step in tqdm(steps, desc="study: statistics", disable=not progress):
+        part = parts[step]
+        rows.at(step, window[step])
+        losses = ("probe_loss", "train_loss", "eval_loss")
+        rows.add("checkpoint", {k: part.meta[k] for k in losses if part.meta.get(k) is not None})
+        if step in duplicates:
+            rows.add("checkpoint", {"duplicate_of": duplicates[step]})
+        for site in sites:
+            _site_rows(rows, cfg, part, site, bases, pooled_shape[site])
+        for k in cfg.ranks:
+            for write in writes:
+                target = write_basis_site(write, bases[k], n_layers)
+                if target is not None:
+                    stats = _share_stats(part.acts[write], bases[k][target])
+                    rows.add("residual", stats, rank=k, site=write)
+        embed = part.embed.double()
+        _embedding_rows(rows, cfg, embed, prev, counts_np, embed_bases)
+        prev = embed
+
+    frame = rows.frame()
+    notes = []
+    if max(cfg.ranks) / d > 0.05:
+        notes.append(
+            f"k/d up to {max(cfg.ranks)}/{d}: normal controls are not exchangeable with Q_T, "
+            "so p_value_normal and isotropy_p_value_normal are anti-conservative; p_value "
+            "and isotropy_p_value (uniform controls) are exact (see tangentlens.significance)."
+        )
+    info = {
+        "library": f"tangentlens {__version__}",
+        "versions": _versions(),
+        "series": series.name,
+        "steps": steps,
+        "windows": {name: [steps[i] for i in idx] for name, idx in windows.items()},
+        "weights_hashes": {str(s): hashes[s] for s in steps},
+        "duplicates": {str(s): t for s, t in duplicates.items()},
+        "sites": [s.hook_name for s in sites],
+        "write_sites": [s.hook_name for s in writes],
+        "bases": [f"bases/rank{k}.safetensors" for k in cfg.ranks],
+        "n_rows": len(frame),
+        "notes": notes,
+        "timings": {
+            "checkpoint_s": {str(s): parts[s].meta["seconds"] for s in steps},
+            "analysis_s": time.perf_counter() - start,
+        },
+    }
+    return frame, info
+
+
+def _share_stats(moments: Moments, basis: TangentBasis) -> dict[str, float]:
+    """Activation energy share in Q_T, E‖x Q‖² / E‖x‖² (uncentred), against chance k/d."""
+    return shares(tangent_share(moments, basis), 1.0, basis.k, basis.d)
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for name in ("torch", "transformers", "transformer-lens", "nnsight"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return out

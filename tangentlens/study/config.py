@@ -1,0 +1,167 @@
+"""What a study is: `StudyConfig` (everything that determines its results), the
+checkpoint series it reads, and the thread limits it runs under."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from threadpoolctl import threadpool_limits
+
+from ..checkpoints import CheckpointSeries
+from ..errors import UsageError
+from ..files import dataclass_from_dict
+from ..hooks.sites import RESIDUAL_KINDS
+from ..models import is_hub_id
+from ..validation import BACKENDS, CONTROLS, check_rank, is_int
+
+__all__ = ["StudyConfig", "open_series", "threads"]
+
+
+@dataclass
+class StudyConfig:
+    """Everything that determines a study's results (``progress`` aside)."""
+
+    checkpoints: str  # a folder of step{N} checkpoints, or a hub id (owner/name)
+    backend: str = "transformer_lens"
+    sites: tuple[str, ...] = ("resid_pre", "resid_post")
+    writes: bool = True  # attn_out / mlp_out activation Moments for the write ratios
+    rank: int | tuple[int, ...] = 16
+    window_fraction: float = 0.3
+    early: tuple[int, int] | None = None  # inclusive step range; overrides the fraction
+    late: tuple[int, int] | None = None
+    n_controls: int = 1000
+    controls: str = "uniform"  # the controls behind the p-value the summary reads
+    zeta: float = 0.1
+    seed: int = 0
+    n_sequences: int = 32
+    seq_len: int = 64
+    batch_size: int = 8
+    probe_fraction: float = 0.05
+    corpus: str | None = None  # text file, folder of .txt, or None for the KJV
+    max_chars: int | None = None
+    reservoir: int = 1000  # tokens sampled per site for TwoNN (0: no TwoNN)
+    n_permutations: int = 200
+    num_threads: int | None = 1  # torch threads (None: leave as is); 1 is exact and fast here
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.checkpoints, str | Path) or not str(self.checkpoints):
+            raise UsageError("StudyConfig.checkpoints must name a folder or a hub id.")
+        self.checkpoints = str(self.checkpoints)
+        if self.backend not in BACKENDS:
+            raise UsageError(
+                f"StudyConfig.backend must be one of {BACKENDS}; got {self.backend!r}."
+            )
+        sites = (self.sites,) if isinstance(self.sites, str) else tuple(self.sites)
+        bad = [s for s in sites if s not in RESIDUAL_KINDS]
+        if bad or not sites:
+            raise UsageError(
+                f"StudyConfig.sites must be a non-empty subset of {RESIDUAL_KINDS}; got {sites!r}."
+            )
+        self.sites = tuple(k for k in RESIDUAL_KINDS if k in sites)
+        for name in ("early", "late"):
+            rng = getattr(self, name)
+            if rng is None:
+                continue
+            if len(rng) != 2 or not all(is_int(v) for v in rng) or rng[0] > rng[1]:
+                raise UsageError(
+                    f"StudyConfig.{name} must be an inclusive step range (lo, hi) with lo <= hi; "
+                    f"got {rng!r}."
+                )
+            setattr(self, name, (int(rng[0]), int(rng[1])))
+        ranks = [self.rank] if isinstance(self.rank, int) else list(self.rank)
+        if not ranks or any(not is_int(r) or r < 1 for r in ranks):
+            raise UsageError(
+                f"StudyConfig.rank must be a positive int or a list of them; got {self.rank!r}."
+            )
+        self.rank = ranks[0] if len(ranks) == 1 else tuple(sorted(set(ranks)))
+        positive = ("n_controls", "n_sequences", "seq_len", "batch_size", "n_permutations")
+        for name in positive:
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise UsageError(f"StudyConfig.{name} must be a positive int; got {value!r}.")
+        checks = {
+            "window_fraction": 0.0 < self.window_fraction <= 0.5,
+            "controls": self.controls in CONTROLS,
+            "zeta": 0.0 <= self.zeta <= 1.0,
+            "seed": is_int(self.seed) and self.seed >= 0,
+            "seq_len": self.seq_len >= 2,
+            "probe_fraction": 0.0 < self.probe_fraction < 1.0,
+            "max_chars": self.max_chars is None or (is_int(self.max_chars) and self.max_chars > 0),
+            "reservoir": is_int(self.reservoir) and (self.reservoir == 0 or self.reservoir >= 3),
+            "num_threads": self.num_threads is None
+            or (is_int(self.num_threads) and self.num_threads >= 1),
+        }
+        hints = {
+            "window_fraction": "(0, 0.5]",
+            "controls": f"one of {CONTROLS}",
+            "zeta": "[0, 1]",
+            "seed": "an int >= 0",
+            "seq_len": "an int >= 2",
+            "probe_fraction": "(0, 1)",
+            "max_chars": "None or a positive int",
+            "reservoir": "0 (no TwoNN) or an int >= 3",
+            "num_threads": "None or a positive int",
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise UsageError(
+                    f"StudyConfig.{name}={getattr(self, name)!r} is out of range; "
+                    f"use {hints[name]}."
+                )
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return (self.rank,) if isinstance(self.rank, int) else tuple(self.rank)
+
+    def check_ranks(self, d: int) -> None:
+        """Every rank must take normal controls too (``p_value_normal``): k <= d/2."""
+        for k in self.ranks:
+            check_rank(k, d, "normal", name="StudyConfig.rank")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["sites"] = list(self.sites)
+        d["rank"] = self.rank if isinstance(self.rank, int) else list(self.rank)
+        for name in ("early", "late"):
+            d[name] = None if d[name] is None else list(d[name])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StudyConfig:
+        return dataclass_from_dict(cls, d)
+
+
+def open_series(source: str) -> Any:
+    """A `CheckpointSeries` from a local folder, or from hub revisions for an ``owner/name``
+    id that is not a local path. Errors of the series (missing folder, no checkpoints,
+    mixed shapes) surface unchanged."""
+    path = Path(source).expanduser()
+    if not path.exists() and is_hub_id(source):
+        return CheckpointSeries.from_hub(source)
+    return CheckpointSeries.from_folder(path)
+
+
+@contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """Torch and numpy's BLAS (threadpoolctl) limited to ``n`` threads.
+
+    On a shared machine, OpenMP/BLAS threads that outnumber free cores make small d × d
+    algebra tens of times slower; ``n`` fixed also keeps results bit-reproducible.
+    """
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        with threadpool_limits(n):
+            yield
+    finally:
+        torch.set_num_threads(before)
