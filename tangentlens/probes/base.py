@@ -35,12 +35,15 @@ class Observation:
     ``mask`` ``(batch, pos)`` is True at positions that count (padding and positions
     whose gradient is zero by construction are False). `statistics` is computed once
     per tensor and shared by every probe that asks (and by views of the same tensor).
+    ``group`` is the index of the forward pass the tensor belongs to (a gradient carries
+    its forward pass's index): disjoint sets of whole sequences, for intervals over tokens.
     """
 
     site: Site
     tensor: Tensor
     mask: Tensor | None = None
     cache: SharedBatch = field(default_factory=SharedBatch)
+    group: int = 0
 
     def statistics(self) -> tuple[int, Tensor, Tensor]:
         """(count, mean, centred scatter) of the kept rows, float64."""

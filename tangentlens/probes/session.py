@@ -102,7 +102,8 @@ class ProbeSession:
         self.leaves: list[Tensor] | None = None
         self._handles: list[Handle] = []
         self._mask: Tensor | None = None
-        self._pending: dict[Site, list[Tensor | None]] = {}
+        self._pending: dict[Site, list[tuple[Tensor | None, int]]] = {}
+        self._passes = -1  # forward passes seen; a pass's index labels its sequences' group
         self._cache = SharedBatch()
         self._active = False
 
@@ -245,6 +246,7 @@ class ProbeSession:
             raise errors[0]
 
     def _on_inputs(self, mask: Tensor | None) -> None:
+        self._passes += 1
         # bool once per pass, so every site sees the same mask tensor (see SharedBatch)
         self._mask = None if mask is None else mask.bool()
 
@@ -265,13 +267,13 @@ class ProbeSession:
     ) -> Callable[[Tensor], None]:
         def hook(x: Tensor) -> None:
             mask = self._mask_for(site, x)
-            obs = Observation(site, x, mask, self._cache)
+            obs = Observation(site, x, mask, self._cache, self._passes)
             with torch.no_grad():
                 for reader in readers:
                     reader.update(obs)
             if track_grad and x.requires_grad and torch.is_grad_enabled():
                 pending = self._pending[site]
-                pending.append(mask)
+                pending.append((mask, self._passes))
                 del pending[:-_MAX_PENDING]
 
         return hook
@@ -279,13 +281,17 @@ class ProbeSession:
     def _backward_hook(self, site: Site, readers: list[Probe]) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             pending = self._pending[site]
-            mask = pending.pop() if pending else None
+            mask, group = pending.pop() if pending else (None, self._passes)
             if mask is not None and tuple(mask.shape) != tuple(grad.shape[:-1]):
                 raise UsageError(
                     f"cannot pair the gradient at {site} {tuple(grad.shape)} with its forward "
                     f"mask {tuple(mask.shape)}; run one backward per forward pass."
                 )
-            obs = Observation(site, grad, mask, self._cache)
+            # positions whose gradient is exactly zero by construction (the last position
+            # under the next-token loss) carry no gradient: they leave the statistics
+            nonzero = grad.detach().ne(0).any(-1)
+            mask = nonzero if mask is None else mask.to(nonzero.device) & nonzero
+            obs = Observation(site, grad, mask, self._cache, group)
             for reader in readers:
                 reader.update_gradient(obs)
 
