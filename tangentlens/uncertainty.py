@@ -117,19 +117,31 @@ def tangent_intervals(
     return out
 
 
+def _sums(group_sums: Tensor | Any, name: str) -> Tensor:
+    sums = torch.as_tensor(group_sums, dtype=torch.float64)
+    if sums.ndim != 2 or sums.shape[1] != 2:
+        raise UsageError(
+            f"{name} must have shape (G, 2): (tangent energy, total energy) per group; "
+            f"got {tuple(sums.shape)}."
+        )
+    return sums
+
+
 def share_intervals(
-    group_sums: Tensor | Any, *, k: int, d: int, level: float = 0.95
+    group_sums: Tensor | Any,
+    *,
+    k: int,
+    d: int,
+    activation_sums: Tensor | Any | None = None,
+    level: float = 0.95,
 ) -> dict[str, tuple[float, float]]:
     """Jackknife intervals for the ratio-of-sums ``tangent_share``, ``share_ratio`` and
     ``energy_ratio`` from per-group sums: ``group_sums[g] = (Σ‖xᵀQ_T‖², Σ‖x‖²)`` over the
     tokens of group g, shape ``(G, 2)``. The same intervals as `tangent_intervals` gives
-    for the share, at 2 floats per group instead of a d×d matrix."""
-    sums = torch.as_tensor(group_sums, dtype=torch.float64)
-    if sums.ndim != 2 or sums.shape[1] != 2:
-        raise UsageError(
-            "group_sums must have shape (G, 2): (tangent energy, total energy) per group; "
-            f"got {tuple(sums.shape)}."
-        )
+    for the share, at 2 floats per group instead of a d×d matrix. With
+    ``activation_sums`` (the same sums of the activations, per group) also
+    ``normalized_ratio``: the energy ratio over the activations' own."""
+    sums = _sums(group_sums, "group_sums")
     d = check_int(d, "d", minimum=2)
     k = check_rank(k, d, name="k")
     total = sums.sum(0)
@@ -139,4 +151,14 @@ def share_intervals(
         out[name] = jackknife_interval([r[name] for r in rows[1:]], rows[0][name], level=level)
     ratios = [energy_ratio(r["tangent_share"], k, d) for r in rows]
     out["energy_ratio"] = jackknife_interval(ratios[1:], ratios[0], level=level)
+    if activation_sums is not None:
+        acts = _sums(activation_sums, "activation_sums")
+        if acts.shape != sums.shape:
+            raise UsageError("activation_sums must have the shape of group_sums.")
+        a_total = acts.sum(0)
+        a_rows = [shares(float(t), float(e), k, d) for t, e in (a_total, *(a_total - acts))]
+        norm = [
+            r / energy_ratio(a["tangent_share"], k, d) for r, a in zip(ratios, a_rows, strict=True)
+        ]
+        out["normalized_ratio"] = jackknife_interval(norm[1:], norm[0], level=level)
     return out

@@ -13,6 +13,12 @@ matched-rank controls cost matrix algebra, not another pass:
 - from `isotropy_test`: ``delta_iso_tangent`` and ``delta_iso_normal`` (change of
   IsoScore* when Q_T, or a normal control, is projected out) and ``isotropy_p_value``.
 
+Intervals: ``ci_low``/``ci_high`` (95 %) for ``tangent_share``, ``energy_ratio`` and
+``normalized_ratio`` come from a delete-a-group jackknife (`tangentlens.uncertainty`)
+over ``n_groups`` groups of whole sequences (forward pass i goes to group i mod G). Per
+site and group it keeps four float64 sums, Σ‖gQ_T‖², Σ‖g‖² and the same of the
+activations: 4·G floats, whatever d. With fewer than two groups seen the interval is NaN.
+
 Works on frozen models: the session makes the embedding output require grad.
 """
 
@@ -21,13 +27,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from ..errors import UsageError
 from ..hooks.sites import RESIDUAL_KINDS, Site
 from ..significance import tangent_tests
 from ..stats import Moments
 from ..subspace import TangentBasis
+from ..uncertainty import share_intervals
 from ..validation import check_int
-from .base import Observation, Probe, row
+from .base import Observation, Probe, Sum, row
+from .residual import energy_sums
 
 __all__ = ["GradientProbe"]
 
@@ -38,7 +48,12 @@ class GradientProbe(Probe):
     name = "gradient"
 
     def __init__(
-        self, bases: Mapping[Site, TangentBasis], *, n_controls: int = 1000, seed: int = 0
+        self,
+        bases: Mapping[Site, TangentBasis],
+        *,
+        n_controls: int = 1000,
+        seed: int = 0,
+        n_groups: int = 10,
     ) -> None:
         super().__init__()
         for site in bases:
@@ -49,9 +64,12 @@ class GradientProbe(Probe):
         self.bases = dict(bases)
         self.n_controls = check_int(n_controls, "n_controls", minimum=1)
         self.seed = check_int(seed, "seed", minimum=0)
+        self.n_groups = check_int(n_groups, "n_groups", minimum=2)
         for site in self.bases:
             self.add_state(f"act/{site.hook_name}", Moments)
             self.add_state(f"grad/{site.hook_name}", Moments)
+            # per group: gradient (tangent, total) energy, then the activations'
+            self.add_state(f"groups/{site.hook_name}", lambda: Sum((self.n_groups, 4)))
 
     @property
     def forward_sites(self) -> list[Site]:
@@ -63,9 +81,18 @@ class GradientProbe(Probe):
 
     def update(self, obs: Observation) -> None:
         self.state(f"act/{obs.site.hook_name}").add_batch(*obs.statistics())
+        self._add_group(obs, 2)
 
     def update_gradient(self, obs: Observation) -> None:
         self.state(f"grad/{obs.site.hook_name}").add_batch(*obs.statistics())
+        self._add_group(obs, 0)
+
+    def _add_group(self, obs: Observation, column: int) -> None:
+        total, tangent, _ = energy_sums(obs.tensor, self.bases[obs.site], obs.mask)
+        sums = self.state(f"groups/{obs.site.hook_name}")
+        update = torch.zeros_like(sums.value, device=total.device)
+        update[obs.group % self.n_groups, column : column + 2] = torch.stack([tangent, total])
+        sums.add(update)
 
     def moments(self, kind: str = "grad") -> dict[Site, Moments]:
         """Site → `Moments` of the gradients (``kind="grad"``) or activations (``"act"``)."""
@@ -85,5 +112,20 @@ class GradientProbe(Probe):
                 activation_moments=acts[site] if acts[site].count else None,
             )
             values["n_tokens"] = float(grads.count)
-            out += [row(self.name, site, k, v) for k, v in values.items()]
+            cis = self._intervals(site)
+            out += [row(self.name, site, k, v, **_ci(cis.get(k))) for k, v in values.items()]
         return out
+
+    def _intervals(self, site: Site) -> dict[str, tuple[float, float]]:
+        sums = self.state(f"groups/{site.hook_name}").value.cpu()
+        seen = sums[(sums[:, 1] > 0) & (sums[:, 3] > 0)]
+        if seen.shape[0] < 2:
+            return {}
+        basis = self.bases[site]
+        return share_intervals(seen[:, :2], k=basis.k, d=basis.d, activation_sums=seen[:, 2:])
+
+
+def _ci(interval: tuple[float, float] | None) -> dict[str, float]:
+    if interval is None:
+        return {}
+    return {"ci_low": interval[0], "ci_high": interval[1]}

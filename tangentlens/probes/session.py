@@ -71,6 +71,8 @@ class ProbeSession:
 
     Use as a context manager (`probe`); read `results` afterwards (or inside). Each
     probe is a `tangentlens.probes.base.Probe` in ``self.probes`` (name → probe).
+    ``probes`` mixes built-in names and your own `Probe` objects. ``group_of(i)`` gives
+    the group of the sequences of forward pass i (default: i), for intervals over tokens.
     ``leaves``: set to a list to collect the embedding outputs (made leaves requiring
     grad) of every forward, to take gradients with respect to them (`run` does).
     """
@@ -79,31 +81,45 @@ class ProbeSession:
         self,
         model: Any,
         bases: Mapping[str | Site, TangentBasis] | None = None,
-        probes: Sequence[str] = ("residual", "attention", "gradient"),
+        probes: Sequence[str | Probe] = ("residual", "attention", "gradient"),
         layers: int | Iterable[int] | None = None,
         *,
         sites: NamesFilter = None,
         n_controls: int = 1000,
         seed: int = 0,
         reservoir: int = 0,
+        n_groups: int = 10,
+        group_of: Callable[[int], int] | None = None,
     ) -> None:
         self.backend: Backend = get_backend(model)
         self.model = model
-        names = (probes,) if isinstance(probes, str) else tuple(probes)
+        chosen = (probes,) if isinstance(probes, str | Probe) else tuple(probes)
+        own = [p for p in chosen if isinstance(p, Probe)]
+        names = tuple(p for p in chosen if not isinstance(p, Probe))
         unknown = [p for p in names if p not in PROBES]
-        if unknown or not names:
-            raise UsageError(f"probes must be a non-empty subset of {PROBES}; got {probes!r}.")
+        if unknown or not chosen:
+            raise UsageError(
+                f"probes must be a non-empty mix of names in {PROBES} and Probe objects; "
+                f"got {probes!r}."
+            )
         self.names = names
         self.layers = _as_layers(layers, self.backend.n_layers)
         check_int(n_controls, "n_controls", minimum=1)
-        self.probes: dict[str, Probe] = self._plan(
-            as_bases(bases), sites, n_controls, seed, reservoir
+        self.n_groups = check_int(n_groups, "n_groups", minimum=2)
+        self.group_of = group_of
+        self.probes: dict[str, Probe] = (
+            self._plan(as_bases(bases), sites, n_controls, seed, reservoir) if names else {}
         )
+        for p in own:
+            if p.name in self.probes:
+                raise UsageError(f"two probes are named {p.name!r}; give each a distinct name.")
+            self.probes[p.name] = p
         self.leaves: list[Tensor] | None = None
         self._handles: list[Handle] = []
         self._mask: Tensor | None = None
         self._pending: dict[Site, list[tuple[Tensor | None, int]]] = {}
-        self._passes = -1  # forward passes seen; a pass's index labels its sequences' group
+        self._passes = -1  # forward passes seen
+        self._group = 0  # the group of the current pass's sequences (for intervals)
         self._cache = SharedBatch()
         self._active = False
 
@@ -145,7 +161,9 @@ class ProbeSession:
                 planned,
                 "gradient",
                 residual,
-                lambda: GradientProbe(residual, n_controls=n_controls, seed=seed),
+                lambda: GradientProbe(
+                    residual, n_controls=n_controls, seed=seed, n_groups=self.n_groups
+                ),
             )
         if "attention" in self.names:
             layers = {
@@ -247,6 +265,7 @@ class ProbeSession:
 
     def _on_inputs(self, mask: Tensor | None) -> None:
         self._passes += 1
+        self._group = self._passes if self.group_of is None else int(self.group_of(self._passes))
         # bool once per pass, so every site sees the same mask tensor (see SharedBatch)
         self._mask = None if mask is None else mask.bool()
 
@@ -267,13 +286,13 @@ class ProbeSession:
     ) -> Callable[[Tensor], None]:
         def hook(x: Tensor) -> None:
             mask = self._mask_for(site, x)
-            obs = Observation(site, x, mask, self._cache, self._passes)
+            obs = Observation(site, x, mask, self._cache, self._group)
             with torch.no_grad():
                 for reader in readers:
                     reader.update(obs)
             if track_grad and x.requires_grad and torch.is_grad_enabled():
                 pending = self._pending[site]
-                pending.append((mask, self._passes))
+                pending.append((mask, self._group))
                 del pending[:-_MAX_PENDING]
 
         return hook
@@ -281,7 +300,7 @@ class ProbeSession:
     def _backward_hook(self, site: Site, readers: list[Probe]) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             pending = self._pending[site]
-            mask, group = pending.pop() if pending else (None, self._passes)
+            mask, group = pending.pop() if pending else (None, self._group)
             if mask is not None and tuple(mask.shape) != tuple(grad.shape[:-1]):
                 raise UsageError(
                     f"cannot pair the gradient at {site} {tuple(grad.shape)} with its forward "
