@@ -327,7 +327,7 @@ def test_bad_input_names_the_fix(fitted: dict) -> None:
         probe(model, bases, ("residual",), layers=5)
     with pytest.raises(ValueError, match="not a probe site"):
         probe(model, {"blocks.0.attn.hook_pattern": q}, ("residual",))
-    with pytest.raises(ValueError, match="probes must be a non-empty subset"):
+    with pytest.raises(ValueError, match="probes must be a non-empty mix of names"):
         probe(model, bases, ("residuals",))
     with pytest.raises(ValueError, match="integer token ids"):
         run(model, [torch.randn(2, 3)], bases, ("residual",), progress=False)
