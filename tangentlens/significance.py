@@ -60,6 +60,7 @@ __all__ = [
     "energy_ratio",
     "energy_test",
     "isotropy_test",
+    "matrix_tests",
     "tangent_tests",
 ]
 
@@ -259,7 +260,7 @@ def energy_ratio(share: float, k: int, d: int) -> float:
 
 
 def _energy(
-    moments: Moments,
+    h: Tensor,
     basis: TangentBasis,
     *,
     n_controls: int,
@@ -267,7 +268,6 @@ def _energy(
     controls: Controls,
     activation_moments: Moments | None,
 ) -> EnergyTestResult:
-    h = moments.second_moment()
     total = float(torch.trace(h))
     if total <= 0:
         raise UsageError("the gradients are all zero: no energy to test. Check the loss.")
@@ -319,7 +319,7 @@ def energy_test(
     _check_inputs(gradient_moments, basis, n_controls, controls)
     _warn_exchangeability(basis, controls)
     return _energy(
-        gradient_moments,
+        gradient_moments.second_moment(),
         basis,
         n_controls=n_controls,
         seed=seed,
@@ -441,6 +441,30 @@ def isotropy_test(
     return _isotropy(iso, basis, n_controls=n_controls, seed=seed, controls=controls)
 
 
+def _energy_statistics(
+    h: Tensor,
+    basis: TangentBasis,
+    n_controls: int,
+    seed: int,
+    activation_moments: Moments | None,
+) -> dict[str, float | None]:
+    """The energy test's named statistics: uniform controls, plus normal ones (labelled,
+    so no warning) where they fit (2k ≤ d)."""
+    mc = {"n_controls": n_controls, "seed": seed}
+    energy = _energy(h, basis, **mc, controls="uniform", activation_moments=activation_moments)
+    out = {
+        "tangent_share": energy.tangent_share,
+        "chance_share": energy.chance_share,
+        "energy_ratio": energy.ratio,
+        "p_value": energy.p_value,
+        "normalized_ratio": energy.normalized_ratio,
+    }
+    if 2 * basis.k <= basis.d:
+        normal = _energy(h, basis, **mc, controls="normal", activation_moments=None)
+        out["p_value_normal"] = normal.p_value
+    return out
+
+
 def tangent_tests(
     gradient_moments: Moments,
     basis: TangentBasis,
@@ -460,27 +484,42 @@ def tangent_tests(
     needs ``activation_moments``.
     """
     _check_inputs(gradient_moments, basis, n_controls, "uniform")
-    mc = {"n_controls": n_controls, "seed": seed}
-    energy = _energy(
-        gradient_moments, basis, **mc, controls="uniform", activation_moments=activation_moments
-    )
+    h = gradient_moments.second_moment()
+    out = _energy_statistics(h, basis, n_controls, seed, activation_moments)
     iso = _IsoAfterRemoval(gradient_moments, basis, zeta, reference)
-    uniform = _isotropy(iso, basis, **mc, controls="uniform")
-    out = {
-        "tangent_share": energy.tangent_share,
-        "chance_share": energy.chance_share,
-        "energy_ratio": energy.ratio,
-        "p_value": energy.p_value,
-        "normalized_ratio": energy.normalized_ratio,
-        "delta_iso_tangent": uniform.delta_tangent,
-        "iso_statistic": uniform.statistic,
-        "isotropy_p_value": uniform.p_value,
-    }
+    uniform = _isotropy(iso, basis, n_controls=n_controls, seed=seed, controls="uniform")
+    out["delta_iso_tangent"] = uniform.delta_tangent
+    out["iso_statistic"] = uniform.statistic
+    out["isotropy_p_value"] = uniform.p_value
     if 2 * basis.k <= basis.d:
-        normal = _isotropy(iso, basis, **mc, controls="normal")
-        out["p_value_normal"] = _energy(
-            gradient_moments, basis, **mc, controls="normal", activation_moments=None
-        ).p_value
+        normal = _isotropy(iso, basis, n_controls=n_controls, seed=seed, controls="normal")
         out["delta_iso_normal"] = normal.delta_normal
         out["isotropy_p_value_normal"] = normal.p_value
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def matrix_tests(
+    matrix: Tensor,
+    basis: TangentBasis,
+    *,
+    n_controls: int = 1000,
+    seed: int = 0,
+    activation_moments: Moments | None = None,
+) -> dict[str, float]:
+    """The energy test of a symmetric PSD ``matrix`` S (d × d) in place of a gradient
+    second moment, as named statistics: the share ``tr(Q_TᵀSQ_T)/tr(S)`` against the
+    same matched-rank controls and cached frames as `tangent_tests`, which it matches on
+    S = E[g gᵀ]. For statistics that are not moments of vectors, such as Σ G Gᵀ over
+    weight gradients G.
+
+    ``tangent_share``, ``chance_share``, ``energy_ratio`` (closed form), ``p_value``
+    (uniform controls), ``p_value_normal`` (normal controls; left out when 2k > d) and,
+    with ``activation_moments``, ``normalized_ratio``.
+    """
+    h = torch.as_tensor(matrix)
+    if h.ndim != 2 or h.shape[0] != h.shape[1] or not bool(torch.isfinite(h).all()):
+        raise UsageError(f"matrix must be a finite square (d, d) tensor; got {tuple(h.shape)}.")
+    _check_basis(basis, h.shape[0], "the matrix")
+    check_int(n_controls, "n_controls", minimum=1)
+    out = _energy_statistics(h.to(torch.float64), basis, n_controls, seed, activation_moments)
     return {k: v for k, v in out.items() if v is not None}

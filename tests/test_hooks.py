@@ -45,6 +45,8 @@ def test_site_names_round_trip(kind: str) -> None:
         ("blocks.2.ln2.hook_in", Site(2, "resid_mid")),
         ("blocks.2.attn.hook_in", Site(2, "attn_in")),
         ("blocks.2.ln1.hook_out", Site(2, "attn_in")),
+        ("blocks.2.mlp.hook_in", Site(2, "mlp_in")),
+        ("blocks.2.ln2.hook_out", Site(2, "mlp_in")),
         ("blocks.2.mlp.hook_out", Site(2, "mlp_out")),
         ("embed.hook_out", Site(0, "embed")),
     ],
@@ -88,15 +90,21 @@ def test_backend_sites_and_attention_input(arch: str) -> None:
     if arch == "neox":
         with pytest.raises(ValueError, match="no resid_mid"):
             be.hook_point(Site(0, "resid_mid"))
-    # attn_in is the exact input of W_Q (q = attn_in @ W_Q + b_Q)
+    # attn_in is the exact input of W_Q (q = attn_in @ W_Q + b_Q), mlp_in that of W_in
     ids = tokens(arch)
     seen = {}
-    handle = be.add_forward_hook(Site(1, "attn_in"), lambda x: seen.setdefault("x", x))
+    handles = [
+        be.add_forward_hook(Site(1, kind), lambda x, kind=kind: seen.setdefault(kind, x))
+        for kind in ("attn_in", "mlp_in")
+    ]
+    names = ["blocks.1.attn.q.hook_in", "blocks.1.mlp.in.hook_in"]
     try:
-        _, cache = model.run_with_cache(ids, names_filter="blocks.1.attn.q.hook_in")
+        _, cache = model.run_with_cache(ids, names_filter=names)
     finally:
-        handle.remove()
-    torch.testing.assert_close(seen["x"], cache["blocks.1.attn.q.hook_in"], rtol=0, atol=0)
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(seen["attn_in"], cache[names[0]], rtol=0, atol=0)
+    torch.testing.assert_close(seen["mlp_in"], cache[names[1]], rtol=0, atol=0)
 
 
 def test_unknown_model_type_is_rejected() -> None:

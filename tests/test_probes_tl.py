@@ -293,7 +293,13 @@ def test_fit_bases_and_basis_set_round_trip(tmp_path, fitted: dict) -> None:
     assert set(bases) == {
         f"blocks.{layer}.{n}"
         for layer in range(2)
-        for n in ("hook_resid_pre", "ln1.hook_out", "hook_resid_mid", "hook_resid_post")
+        for n in (
+            "hook_resid_pre",
+            "ln1.hook_out",
+            "hook_resid_mid",
+            "ln2.hook_out",
+            "hook_resid_post",
+        )
     }
     assert bases["blocks.0.hook_in"] is bases[Site(0, "resid_pre")]
     assert bases.moments["blocks.0.hook_resid_pre"].count == 48

@@ -6,9 +6,10 @@ Importing this package registers the built-in backends (TransformerLens, nnsight
 
 from . import nnsight, transformer_lens
 from .base import Backend, Handle, backend_names, get_backend, register_backend
-from .sites import KINDS, RESIDUAL_KINDS, WRITE_KINDS, Site, select_sites
+from .sites import INPUT_KINDS, KINDS, RESIDUAL_KINDS, WRITE_KINDS, Site, select_sites
 
 __all__ = [
+    "INPUT_KINDS",
     "KINDS",
     "RESIDUAL_KINDS",
     "WRITE_KINDS",

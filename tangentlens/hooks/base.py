@@ -10,16 +10,25 @@ Backends register themselves (`register_backend`) when their module is imported;
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..decompose import AttentionParams
 from .sites import Site
 
-__all__ = ["Backend", "Handle", "TensorFn", "backend_names", "get_backend", "register_backend"]
+__all__ = [
+    "Backend",
+    "Handle",
+    "ModuleHandle",
+    "TensorFn",
+    "backend_names",
+    "get_backend",
+    "register_backend",
+]
 
 TensorFn = Callable[[Tensor], Tensor | None]
 """A hook body: gets the activation (forward) or its gradient (backward); returns
@@ -29,6 +38,28 @@ TensorFn = Callable[[Tensor], Tensor | None]
 @runtime_checkable
 class Handle(Protocol):
     def remove(self) -> None: ...
+
+
+class ModuleHandle:
+    """Removes one torch module hook and every tensor hook registered through it (those
+    of tensors still alive), and nothing else."""
+
+    def __init__(self, module_handle: Any) -> None:
+        self._module_handle: Any = module_handle
+        self._tensor_hooks: list[tuple[weakref.ref, Any]] = []
+
+    def add_tensor_hook(self, tensor: Tensor, fn: Callable[[Tensor], None]) -> None:
+        # Forget hooks of tensors already freed, so a long session holds O(sites) handles.
+        self._tensor_hooks = [(ref, h) for ref, h in self._tensor_hooks if ref() is not None]
+        self._tensor_hooks.append((weakref.ref(tensor), tensor.register_hook(fn)))
+
+    def remove(self) -> None:
+        for _, handle in self._tensor_hooks:
+            handle.remove()
+        self._tensor_hooks.clear()
+        if self._module_handle is not None:
+            self._module_handle.remove()
+            self._module_handle = None
 
 
 @runtime_checkable
@@ -73,6 +104,12 @@ class Backend(Protocol):
 
     def attention_params(self, layer: int) -> AttentionParams:
         """`AttentionParams` of ``layer``: what the score decomposition needs."""
+        ...
+
+    def input_linears(self, site: Site) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of the torch linear maps the forward pass calls on ``site``'s
+        activation (an ``attn_in`` or ``mlp_in`` site): the q/k/v projections, or the
+        MLP's input maps. Their weight gradients are ``Xᵀ·∂L/∂(output)``."""
         ...
 
 

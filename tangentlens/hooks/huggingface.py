@@ -1,27 +1,40 @@
 """Hugging Face modules: block layouts and attention parameters.
 
 Shared by the nnsight backend and by anything else that reads plain HF models: where
-each `Site` lives in a block (`layout`), and what the score decomposition needs from
-an attention module (`params_from_hf`, `norm_from_hf`, `hf_attention_module`).
+each `Site` lives in a block (`layout`), which linear maps read it (`input_linears`),
+and what the score decomposition needs from an attention module (`params_from_hf`,
+`norm_from_hf`, `hf_attention_module`).
 
 Site → HF module (``in`` = the module's first input, ``out`` = its first output), matching
 TransformerLens 4.x bridges of the same weights:
 
-==========  ===========  =========================  ====================  ===================
-site        GPT-2 h[l]   GPT-NeoX layers[l]         Llama layers[l]       BERT layer[l]
-==========  ===========  =========================  ====================  ===================
-embed       wte out      embed_in out               embed_tokens out      embeddings out
-resid_pre   block in     block in                   block in              block in
-attn_in     ln_1 out     input_layernorm out        input_layernorm out   attention in
-attn_out    attn out     attention out              self_attn out         attention out
-resid_mid   ln_2 in      (none: parallel residual)  post_attention_ln in  output.LayerNorm in
-mlp_out     mlp out      mlp out                    mlp out               output.dense out
-resid_post  block out    block out                  block out             block out
-==========  ===========  =========================  ====================  ===================
+==========  ===========  =========================  =====================  ===================
+site        GPT-2 h[l]   GPT-NeoX layers[l]         Llama layers[l]        BERT layer[l]
+==========  ===========  =========================  =====================  ===================
+embed       wte out      embed_in out               embed_tokens out       embeddings out
+resid_pre   block in     block in                   block in               block in
+attn_in     ln_1 out     input_layernorm out        input_layernorm out    attention in
+attn_out    attn out     attention out              self_attn out          attention out
+resid_mid   ln_2 in      (none: parallel residual)  post_attention_ln in   output.LayerNorm in
+mlp_in      ln_2 out     post_attention_ln out      post_attention_ln out  intermediate in
+mlp_out     mlp out      mlp out                    mlp out                output.dense out
+resid_post  block out    block out                  block out              block out
+==========  ===========  =========================  =====================  ===================
 
 BERT is post-norm: its attention input is the block input, ``attn_out`` is the attention
-block's (normalised) output and ``resid_mid`` the sum entering the second LayerNorm,
-exactly as on the TransformerLens BERT bridge.
+block's (normalised) output, which is also ``mlp_in``, and ``resid_mid`` the sum entering
+the second LayerNorm, exactly as on the TransformerLens BERT bridge.
+
+The linear maps that read a site (`input_linears`: the weights whose gradients have the
+site's activation on their input side):
+
+==========  ===========  =========================  =====================  ===================
+site        GPT-2        GPT-NeoX                   Llama                  BERT
+==========  ===========  =========================  =====================  ===================
+attn_in     attn.c_attn  attention.query_key_value  self_attn.q/k/v_proj   attention.self.
+                                                                           query/key/value
+mlp_in      mlp.c_fc     mlp.dense_h_to_4h          mlp.gate/up_proj       intermediate.dense
+==========  ===========  =========================  =====================  ===================
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ __all__ = [
     "Layout",
     "first_tensor",
     "hf_attention_module",
+    "input_linears",
     "layout",
     "norm_from_hf",
     "norm_from_module",
@@ -60,10 +74,19 @@ class Layout:
     embed: _Where  # path from the base model
     block: Mapping[str, _Where]
     order: tuple[str, ...]  # block kinds in forward execution order
+    linears: Mapping[str, tuple[str, ...]]  # site kind -> paths of the linear maps reading it
     causal: bool = True
 
 
-_PRE_NORM_ORDER = ("resid_pre", "attn_in", "attn_out", "resid_mid", "mlp_out", "resid_post")
+_PRE_NORM_ORDER = (
+    "resid_pre",
+    "attn_in",
+    "attn_out",
+    "resid_mid",
+    "mlp_in",
+    "mlp_out",
+    "resid_post",
+)
 
 
 _GPT2 = Layout(
@@ -74,10 +97,12 @@ _GPT2 = Layout(
         "attn_in": ("ln_1", "out"),
         "attn_out": ("attn", "out"),
         "resid_mid": ("ln_2", "in"),
+        "mlp_in": ("ln_2", "out"),
         "mlp_out": ("mlp", "out"),
         "resid_post": ("", "out"),
     },
     _PRE_NORM_ORDER,
+    {"attn_in": ("attn.c_attn",), "mlp_in": ("mlp.c_fc",)},
 )
 
 
@@ -86,12 +111,14 @@ _NEOX_BLOCK = {
     "attn_in": ("input_layernorm", "out"),
     "attn_out": ("attention", "out"),
     "resid_mid": ("post_attention_layernorm", "in"),
+    "mlp_in": ("post_attention_layernorm", "out"),
     "mlp_out": ("mlp", "out"),
     "resid_post": ("", "out"),
 }
+_NEOX_LINEARS = {"attn_in": ("attention.query_key_value",), "mlp_in": ("mlp.dense_h_to_4h",)}
 
 
-_NEOX = Layout("layers", ("embed_in", "out"), _NEOX_BLOCK, _PRE_NORM_ORDER)
+_NEOX = Layout("layers", ("embed_in", "out"), _NEOX_BLOCK, _PRE_NORM_ORDER, _NEOX_LINEARS)
 
 
 _NEOX_PARALLEL = Layout(
@@ -99,6 +126,7 @@ _NEOX_PARALLEL = Layout(
     ("embed_in", "out"),
     {k: v for k, v in _NEOX_BLOCK.items() if k != "resid_mid"},
     tuple(k for k in _PRE_NORM_ORDER if k != "resid_mid"),
+    _NEOX_LINEARS,
 )
 
 
@@ -110,10 +138,15 @@ _LLAMA = Layout(
         "attn_in": ("input_layernorm", "out"),
         "attn_out": ("self_attn", "out"),
         "resid_mid": ("post_attention_layernorm", "in"),
+        "mlp_in": ("post_attention_layernorm", "out"),
         "mlp_out": ("mlp", "out"),
         "resid_post": ("", "out"),
     },
     _PRE_NORM_ORDER,
+    {
+        "attn_in": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "mlp_in": ("mlp.gate_proj", "mlp.up_proj"),
+    },
 )
 
 
@@ -121,13 +154,26 @@ _BERT_BLOCK = {
     "resid_pre": ("", "in"),
     "attn_in": ("attention", "in"),
     "attn_out": ("attention", "out"),
+    "mlp_in": ("intermediate", "in"),
     "mlp_out": ("output.dense", "out"),
     "resid_mid": ("output.LayerNorm", "in"),
     "resid_post": ("", "out"),
 }
 
 
-_BERT_ORDER = ("resid_pre", "attn_in", "attn_out", "mlp_out", "resid_mid", "resid_post")
+_BERT_ORDER = (
+    "resid_pre",
+    "attn_in",
+    "attn_out",
+    "mlp_in",
+    "mlp_out",
+    "resid_mid",
+    "resid_post",
+)
+_BERT_LINEARS = {
+    "attn_in": ("attention.self.query", "attention.self.key", "attention.self.value"),
+    "mlp_in": ("intermediate.dense",),
+}
 
 
 def submodule(module: nn.Module, path: str) -> nn.Module:
@@ -150,7 +196,7 @@ def layout(hf: nn.Module) -> tuple[Layout, nn.Module]:
     ):
         causal = bool(getattr(config, "is_decoder", False))
         return Layout(
-            "encoder.layer", ("embeddings", "out"), _BERT_BLOCK, _BERT_ORDER, causal
+            "encoder.layer", ("embeddings", "out"), _BERT_BLOCK, _BERT_ORDER, _BERT_LINEARS, causal
         ), base
     layers = getattr(base, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers) and hasattr(base, "embed_tokens"):
@@ -165,6 +211,21 @@ def layout(hf: nn.Module) -> tuple[Layout, nn.Module]:
         "(input_layernorm/self_attn/post_attention_layernorm/mlp) and BERT encoders. "
         "Load it as a TransformerLens bridge instead (tangentlens.models.load(...))."
     )
+
+
+def input_linears(
+    blocks: nn.ModuleList, layout: Layout, layer: int, kind: str
+) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` of each linear map of block ``layer`` that reads site ``kind``:
+    the weights whose gradients have that site's activation on their input side."""
+    if kind not in layout.linears:
+        raise UsageError(
+            f"only {sorted(layout.linears)} sites are read by linear maps; got {kind!r}."
+        )
+    return [
+        (f"{layout.layers}.{layer}.{path}", submodule(blocks[layer], path))
+        for path in layout.linears[kind]
+    ]
 
 
 def first_tensor(value: Any, where: str) -> Tensor:

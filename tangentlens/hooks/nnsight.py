@@ -24,7 +24,6 @@ The site of each kind in each supported block layout: `tangentlens.hooks.hugging
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -36,10 +35,11 @@ from torch import Tensor, nn
 from ..decompose import AttentionParams
 from ..errors import UsageError
 from ..stats import Moments
-from .base import TensorFn, embedding_leaf, register_backend
+from .base import ModuleHandle, TensorFn, embedding_leaf, register_backend
 from .huggingface import (
     first_tensor,
     hf_attention_module,
+    input_linears,
     layout,
     params_from_hf,
     submodule,
@@ -64,27 +64,6 @@ def _replacement(new: Any, label: str) -> Tensor | None:
         f"a forward hook at {label} returned a {type(new).__name__}; return None to observe "
         "or a tensor to replace the activation."
     )
-
-
-class _Handle:
-    """Removes one module hook and every tensor hook it registered, and nothing else."""
-
-    def __init__(self, module_handle: Any) -> None:
-        self._module_handle: Any = module_handle
-        self._tensor_hooks: list[tuple[weakref.ref, Any]] = []
-
-    def add_tensor_hook(self, tensor: Tensor, fn: Callable[[Tensor], None]) -> None:
-        # Forget hooks of tensors already freed, so a long session holds O(sites) handles.
-        self._tensor_hooks = [(ref, h) for ref, h in self._tensor_hooks if ref() is not None]
-        self._tensor_hooks.append((weakref.ref(tensor), tensor.register_hook(fn)))
-
-    def remove(self) -> None:
-        for _, handle in self._tensor_hooks:
-            handle.remove()
-        self._tensor_hooks.clear()
-        if self._module_handle is not None:
-            self._module_handle.remove()
-            self._module_handle = None
 
 
 class NNsightBackend:
@@ -140,14 +119,14 @@ class NNsightBackend:
         return submodule(self.blocks[site.layer], path), where
 
     # ------------------------------------------------------------------ hooks
-    def add_forward_hook(self, site: Site, fn: TensorFn) -> _Handle:
+    def add_forward_hook(self, site: Site, fn: TensorFn) -> ModuleHandle:
         """``fn(activation)``; a returned tensor replaces the activation."""
         return self._hook(site, fn, prepend=False)
 
-    def add_backward_hook(self, site: Site, fn: TensorFn) -> _Handle:
+    def add_backward_hook(self, site: Site, fn: TensorFn) -> ModuleHandle:
         """``fn(gradient)`` for the site's activation, from a tensor hook registered as the
         forward pass produces it (only when it requires grad)."""
-        handle: _Handle
+        handle: ModuleHandle
 
         def observe(grad: Tensor) -> None:
             fn(grad)
@@ -159,7 +138,7 @@ class NNsightBackend:
         handle = self._hook(site, register, prepend=False)
         return handle
 
-    def _hook(self, site: Site, fn: TensorFn, *, prepend: bool) -> _Handle:
+    def _hook(self, site: Site, fn: TensorFn, *, prepend: bool) -> ModuleHandle:
         module, where = self.locate(site)
         label = f"{type(module).__name__} ({site})"
         if where == "out":
@@ -172,7 +151,7 @@ class NNsightBackend:
                     return new
                 return type(output)((new, *output[1:]))
 
-            return _Handle(module.register_forward_hook(forward_hook, prepend=prepend))
+            return ModuleHandle(module.register_forward_hook(forward_hook, prepend=prepend))
 
         def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
             if args:
@@ -183,11 +162,11 @@ class NNsightBackend:
             new = _replacement(fn(kwargs["hidden_states"]), label)
             return None if new is None else (args, {**kwargs, "hidden_states": new})
 
-        return _Handle(
+        return ModuleHandle(
             module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=prepend)
         )
 
-    def watch_inputs(self, fn: Callable[[Tensor | None], None]) -> _Handle:
+    def watch_inputs(self, fn: Callable[[Tensor | None], None]) -> ModuleHandle:
         """``fn(attention_mask or None)`` at the start of every forward of the HF model."""
         signature = inspect.signature(self.module.forward)
 
@@ -198,11 +177,11 @@ class NNsightBackend:
                 mask = kwargs.get("attention_mask")
             fn(mask if isinstance(mask, Tensor) and mask.ndim == 2 else None)
 
-        return _Handle(self.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        return ModuleHandle(self.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
     def require_input_grad(
         self, fn: Callable[[Tensor], None] | None = None, *, force: bool = False
-    ) -> _Handle:
+    ) -> ModuleHandle:
         """Replace the embed-site output by a leaf that requires grad when grad mode is on
         and it does not already (``force``: always), so backward hooks fire on frozen
         models. Runs before any other hook on that module."""
@@ -218,6 +197,12 @@ class NNsightBackend:
         attn, rotary_emb = hf_attention_module(self.module, layer)
         params = params_from_hf(attn, rotary_emb=rotary_emb)
         return replace(params, causal=self.causal) if params.causal != self.causal else params
+
+    def input_linears(self, site: Site) -> list[tuple[str, nn.Module]]:
+        """The HF linear maps that read ``site`` (`tangentlens.hooks.huggingface`): GPT-2's
+        fused ``c_attn`` (a Conv1D) and NeoX's fused ``query_key_value`` count once."""
+        self.locate(site)  # validates the site
+        return input_linears(self.blocks, self.layout, site.layer, site.kind)
 
 
 register_backend("nnsight", is_nnsight_model, NNsightBackend)

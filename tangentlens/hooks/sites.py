@@ -2,9 +2,11 @@
 
 A `Site` is ``(layer, kind, head)``. Its canonical name is the TransformerLens
 legacy hook name (``blocks.3.hook_resid_pre``); the attention input is named
-``blocks.3.ln1.hook_out``, the exact input to W_Q/W_K on a pre-norm model. Each
+``blocks.3.ln1.hook_out``, the exact input to W_Q/W_K on a pre-norm model, and the MLP
+input ``blocks.3.ln2.hook_out``, the exact input to the MLP's first linear maps. Each
 backend maps a site to its own hook point (on a post-norm encoder such as BERT the
-attention input is the block input; the backend resolves that, the name stays).
+attention input is the block input and the MLP input the attention block's output; the
+backend resolves that, the name stays).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from ..errors import UsageError
 
 __all__ = [
+    "INPUT_KINDS",
     "KINDS",
     "RESIDUAL_KINDS",
     "WRITE_KINDS",
@@ -25,8 +28,18 @@ __all__ = [
     "select_sites",
 ]
 
-KINDS = ("embed", "resid_pre", "attn_in", "attn_out", "resid_mid", "mlp_out", "resid_post")
+KINDS = (
+    "embed",
+    "resid_pre",
+    "attn_in",
+    "attn_out",
+    "resid_mid",
+    "mlp_in",
+    "mlp_out",
+    "resid_post",
+)
 RESIDUAL_KINDS = ("resid_pre", "resid_mid", "resid_post")
+INPUT_KINDS = ("attn_in", "mlp_in")  # read by linear maps: inputs of weight gradients
 WRITE_KINDS = ("attn_out", "mlp_out")
 
 NamesFilter = str | Sequence[str] | Callable[[str], bool] | None
@@ -37,6 +50,7 @@ _CANONICAL = {
     "resid_post": "hook_resid_post",
     "attn_in": "ln1.hook_out",
     "attn_out": "hook_attn_out",
+    "mlp_in": "ln2.hook_out",
     "mlp_out": "hook_mlp_out",
 }
 # Other spellings of the same tensors: TL 4.x canonical (un-aliased) hook names.
@@ -46,6 +60,7 @@ _SYNONYMS = {
     "hook_out": "resid_post",
     "attn.hook_in": "attn_in",
     "attn.hook_out": "attn_out",
+    "mlp.hook_in": "mlp_in",
     "mlp.hook_out": "mlp_out",
 }
 _BY_SUFFIX = {**{v: k for k, v in _CANONICAL.items()}, **_SYNONYMS}

@@ -10,10 +10,12 @@ bridges and the post-softmax pattern on native and BERT bridges (never read here
 ``hook_q``/``hook_k`` are before rotary (rotary comes from the HF module itself);
 ``ln1.hook_normalized`` is before the norm's affine, so the attention input is read
 at ``attn.hook_in``, the exact input to W_Q/W_K (``ln1.hook_out`` on pre-norm models,
-the block input on post-norm BERT); ``hook_resid_mid`` is ``ln2.hook_in``, on the MLP
-branch only, so its backward misses the skip path (gradients are read at ``attn_out``
-instead); ``hook.name`` is the canonical name, so hook bodies close over their `Site`
-instead of reading it.
+the block input on post-norm BERT), and the MLP input at ``mlp.hook_in``;
+``hook_resid_mid`` is ``ln2.hook_in``, on the MLP branch only, so its backward misses
+the skip path (gradients are read at ``attn_out`` instead); ``hook.name`` is the
+canonical name, so hook bodies close over their `Site` instead of reading it. Fused
+QKV weights (GPT-2, NeoX) are split into ``attn.q/k/v`` modules, which are what the
+bridge calls: weight gradients are read there (`TransformerLensBackend.input_linears`).
 """
 
 from __future__ import annotations
@@ -52,8 +54,14 @@ _CANDIDATES: dict[str, tuple[str, ...]] = {
     # is folded (LayerNormPre / RMSNormPre), which is then W_Q's exact input.
     "attn_in": ("blocks.{l}.attn.hook_in", "blocks.{l}.ln1.hook_normalized"),
     "attn_out": ("blocks.{l}.hook_attn_out",),
+    # the MLP module's input (bridges); TL 3.x: ln2.hook_normalized of a folded norm
+    "mlp_in": ("blocks.{l}.mlp.hook_in", "blocks.{l}.ln2.hook_normalized"),
     "mlp_out": ("blocks.{l}.hook_mlp_out",),
 }
+# The bridge components that read a site: the q/k/v projections (fused QKV weights are
+# split into q/k/v modules by the bridge, and those are what it calls) and the MLP's
+# input maps (``gate`` only on gated MLPs).
+_INPUT_LINEARS = {"attn_in": ("attn", ("q", "k", "v")), "mlp_in": ("mlp", ("gate", "in"))}
 
 
 class _TLHandle:
@@ -116,10 +124,11 @@ class TransformerLensBackend:
                 self._grad_points[mid] = self._points[attn_out]
 
     def _usable(self, kind: str, layer: int, name: str) -> bool:
-        if kind != "attn_in" or name.endswith("attn.hook_in"):
+        if not name.endswith("hook_normalized"):
             return True
-        # TL 3.x: hook_normalized is W_Q's input only when the norm has no affine.
-        return type(self.model.blocks[layer].ln1).__name__.endswith("Pre")
+        # TL 3.x: hook_normalized is W_Q's (W_in's) input only when the norm has no affine.
+        norm = self.model.blocks[layer].ln1 if kind == "attn_in" else self.model.blocks[layer].ln2
+        return type(norm).__name__.endswith("Pre")
 
     def _pre_norm(self, layer: int) -> bool:
         """ln1 is applied before attention (not inside it, as in BERT's post-norm)."""
@@ -198,6 +207,32 @@ class TransformerLensBackend:
         if not 0 <= layer < self.n_layers:
             raise UsageError(f"layer must be in 0..{self.n_layers - 1}; got {layer}.")
         return params_from_bridge(self.model, layer)
+
+    def input_linears(self, site: Site) -> list[tuple[str, nn.Module]]:
+        """The torch modules a TransformerBridge calls on ``site``'s activation: the
+        wrapped ``attn.q/k/v`` (GPT-2's and NeoX's fused QKV come split) or ``mlp.gate/in``.
+        TL 3.x HookedTransformers multiply by parameters, with no module to hook."""
+        site = site.without_head()
+        self.hook_point(site)  # validates the site
+        if site.kind not in _INPUT_LINEARS:
+            raise UsageError(
+                f"only {sorted(_INPUT_LINEARS)} sites are read by linear maps; got {site}."
+            )
+        component, names = _INPUT_LINEARS[site.kind]
+        parent = getattr(self.model.blocks[site.layer], component)
+        out = []
+        for name in names:
+            bridge = parent._modules.get(name)
+            module = getattr(bridge, "original_component", None)
+            if isinstance(module, nn.Module):
+                out.append((f"blocks.{site.layer}.{component}.{name}", module))
+        if not out:
+            raise UsageError(
+                f"{type(self.model).__name__} has no linear modules reading {site}: weight "
+                "gradients need a TL 4.x TransformerBridge (boot_transformers / boot_native) "
+                "or the nnsight backend (nnsight.NNsight(hf_model))."
+            )
+        return out
 
 
 def _tl_attention(model: Any, layer: int) -> Any:

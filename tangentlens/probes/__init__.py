@@ -1,4 +1,5 @@
-"""What is measured at a site: residual, attention, gradient and activation probes.
+"""What is measured at a site: residual, attention, gradient, weight-gradient and
+activation probes.
 
 `probe` (context manager), `run` (driver with a progress bar) and `fit_bases` work on
 any model with a backend (`tangentlens.hooks.get_backend`). Every probe follows the
@@ -15,6 +16,7 @@ from .driver import fit_bases, lm_loss, run, unpack_batch
 from .gradient import GradientProbe
 from .residual import ResidualProbe
 from .session import PROBES, ProbeSession, probe
+from .weight_gradient import WeightGradientProbe
 
 __all__ = [
     "PROBES",
@@ -26,6 +28,7 @@ __all__ = [
     "Probe",
     "ProbeSession",
     "ResidualProbe",
+    "WeightGradientProbe",
     "fit_bases",
     "lm_loss",
     "probe",

@@ -3,10 +3,12 @@
 A probe is a stateful metric in the torchmetrics sense. It declares the sites it
 reads (`forward_sites`, `backward_sites`); the session calls `update` with each
 forward activation and `update_gradient` with each gradient, as an `Observation`;
-`rows` turns the state into results rows. Its state is a set of named `Mergeable`
-statistics (`Moments`, `Sum`, `AttentionAccumulator`) registered with `add_state`, so one
-implementation of `merge`, `state_dict` / `load_state_dict`, `all_reduce_` and
-`reset` serves every probe: shards, processes and checkpoints combine exactly.
+`rows` turns the state into results rows. A probe that reads more than sites (the
+modules that read a site, say) adds its own hooks in `attach`; the session removes
+them with its own. Its state is a set of named `Mergeable` statistics (`Moments`,
+`Sum`, `AttentionAccumulator`) registered with `add_state`, so one implementation of
+`merge`, `state_dict` / `load_state_dict`, `all_reduce_` and `reset` serves every
+probe: shards, processes and checkpoints combine exactly.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..errors import CorruptFileError, UsageError
+from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
 from ..stats import Moments, SharedBatch
 
@@ -130,6 +133,17 @@ class Probe:
     @property
     def backward_sites(self) -> list[Site]:
         """Sites whose gradients this probe reads."""
+        return []
+
+    @property
+    def reads_backward(self) -> bool:
+        """Whether this probe needs backward passes: the session then makes the embedding
+        output require grad (frozen models) and `run` takes gradients."""
+        return bool(self.backward_sites)
+
+    def attach(self, backend: Backend) -> list[Handle]:
+        """Hooks of the probe's own, beyond its sites; the session removes every one in
+        ``finally``, with its own hooks. Default: none."""
         return []
 
     def update(self, obs: Observation) -> None:

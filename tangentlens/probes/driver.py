@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from ..errors import UsageError
 from ..files import tensor_hash
 from ..hooks.base import get_backend
-from ..hooks.sites import RESIDUAL_KINDS, NamesFilter, Site
+from ..hooks.sites import INPUT_KINDS, RESIDUAL_KINDS, NamesFilter, Site
 from ..subspace import TangentBasis
 from ..version import __version__
 from .bases import BasisSet
@@ -102,7 +102,7 @@ def run(
     to the summed next-token loss (`lm_loss`) for causal models; encoders need one.
     """
     session = ProbeSession(model, bases, probes, layers, **options)
-    wants_grad = session.gradient is not None
+    wants_grad = any(p.reads_backward for p in session.probes.values())
     if wants_grad and loss is None:
         if not session.backend.causal:
             raise UsageError(
@@ -144,15 +144,15 @@ def fit_bases(
     """One pass over ``batches``: activation `Moments` per site, then PCA per site.
 
     ``rank=k`` or ``variance=0.9`` (see `TangentBasis.fit`). ``sites`` is a names filter
-    (default: ``resid_pre``, ``resid_mid``, ``resid_post`` and ``attn_in`` of every
-    layer). The returned `BasisSet` keeps the Moments in ``.moments``.
+    (default: ``resid_pre``, ``resid_mid``, ``resid_post``, ``attn_in`` and ``mlp_in`` of
+    every layer). The returned `BasisSet` keeps the Moments in ``.moments``.
     """
     if (rank is None) == (variance is None):
         raise UsageError("pass exactly one of rank= (an int) or variance= (a fraction in (0, 1]).")
     backend = get_backend(model)
 
     def default_sites(name: str) -> bool:
-        return Site.from_hook_name(name).kind in (*RESIDUAL_KINDS, "attn_in")
+        return Site.from_hook_name(name).kind in (*RESIDUAL_KINDS, *INPUT_KINDS)
 
     sites = default_sites if sites is None else sites
     session = run(

@@ -29,6 +29,7 @@ from torch import Tensor
 from ..errors import UsageError
 from ..hooks.base import Backend, Handle, get_backend
 from ..hooks.sites import (
+    INPUT_KINDS,
     RESIDUAL_KINDS,
     WRITE_KINDS,
     NamesFilter,
@@ -46,10 +47,11 @@ from .base import Observation, Probe
 from .bases import as_bases, site_order
 from .gradient import GradientProbe
 from .residual import ResidualProbe, write_basis_site
+from .weight_gradient import WeightGradientProbe
 
 __all__ = ["PROBES", "ProbeSession", "probe"]
 
-PROBES = ("residual", "attention", "gradient", "activation")
+PROBES = ("residual", "attention", "gradient", "activation", "weight_gradient")
 _MAX_PENDING = 64  # forward masks kept per site while waiting for their backward pass
 
 
@@ -172,6 +174,14 @@ class ProbeSession:
                 if s.kind == "attn_in"
             }
             self._add(planned, "attention", layers, lambda: AttentionProbe(layers))
+        if "weight_gradient" in self.names:
+            read = {s: b for s, b in scoped.items() if s.kind in INPUT_KINDS}
+            self._add(
+                planned,
+                "weight_gradient",
+                read,
+                lambda: WeightGradientProbe(read, self.backend, n_controls=n_controls, seed=seed),
+            )
         if "activation" in self.names:
             act_sites = sorted(scoped if bases else in_scope, key=site_order)
             planned["activation"] = ActivationProbe(act_sites, reservoir=reservoir, seed=seed)
@@ -189,7 +199,10 @@ class ProbeSession:
         if sites:
             planned[name] = make()
             return
-        needed = "attn_in (blocks.{l}.ln1.hook_out)" if name == "attention" else "residual sites"
+        needed = {
+            "attention": "attn_in (blocks.{l}.ln1.hook_out)",
+            "weight_gradient": "attn_in or mlp_in (blocks.{l}.ln1/ln2.hook_out)",
+        }.get(name, "residual sites")
         warnings.warn(
             f"the {name} probe has no site to run on: it needs bases at {needed} "
             f"for layers {self.layers}; it is skipped.",
@@ -246,7 +259,9 @@ class ProbeSession:
             self._handles.append(be.add_forward_hook(site, hook))
         for site, readers in backward.items():
             self._handles.append(be.add_backward_hook(site, self._backward_hook(site, readers)))
-        if backward:
+        for p in self.probes.values():
+            self._handles.extend(p.attach(be))
+        if backward or any(p.reads_backward for p in self.probes.values()):
             leaves = self.leaves
             collect = None if leaves is None else leaves.append
             self._handles.append(be.require_input_grad(collect, force=leaves is not None))

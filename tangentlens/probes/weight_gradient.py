@@ -1,0 +1,158 @@
+"""Weight-gradient probe: the input side of the weight gradients of the linear maps that
+read a site, tested against the site's Q_T.
+
+The paper's "gradient matrix" is the gradient of the weights that read an activation,
+not ∂L/∂h. For a linear map with input X (tokens × d_in) and Δ = ∂L/∂(its output)
+(tokens × out), the weight gradient is G = XᵀΔ (d_in × out): its input side lives in
+the activation space, where Q_T lives. Per forward/backward pass and per map reading the
+site, S += G Gᵀ (d_in × d_in, float64), pooled over the maps: W_Q, W_K, W_V (all heads,
+GQA as the model has it; a fused QKV map is the same sum) at ``attn_in``, the MLP's input
+maps at ``mlp_in``. S is tested like a gradient second moment (`significance.matrix_tests`):
+
+- ``tangent_share`` tr(Q_TᵀSQ_T)/tr(S), ``chance_share`` k/d, ``energy_ratio`` (closed
+  form), ``p_value`` / ``p_value_normal`` (uniform / normal matched-rank controls);
+- ``normalized_ratio``: the energy ratio over the same ratio of the inputs' uncentred
+  second moment E[x xᵀ]. It is the random-backprop null: were Δ white noise independent
+  of X, E[G Gᵀ] ∝ XᵀX and the ratio would be 1;
+- ``n_passes``: backward passes folded in.
+
+X and Δ come from hooks on the maps themselves (`Backend.input_linears`): a forward hook
+keeps the detached input and hooks the output tensor; when Δ arrives, G is folded in and
+the input dropped. No parameter's ``.grad`` is read or written, so it works inside `run`
+(gradients with respect to the embedding output only) and around a user's
+``loss.backward()``. Padded positions are dropped from X (Δ is zero there anyway). Run one
+backward per forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UsageError
+from ..hooks.base import Backend, Handle, ModuleHandle
+from ..hooks.sites import INPUT_KINDS, Site
+from ..significance import matrix_tests
+from ..stats import Moments
+from ..subspace import TangentBasis
+from ..validation import check_int
+from .base import Observation, Probe, Sum, row
+
+__all__ = ["WeightGradientProbe"]
+
+
+class WeightGradientProbe(Probe):
+    """Σ G Gᵀ of the weight gradients that read each ``attn_in`` / ``mlp_in`` site, and its
+    energy test against the site's basis."""
+
+    name = "weight_gradient"
+
+    def __init__(
+        self,
+        bases: Mapping[Site, TangentBasis],
+        backend: Backend,
+        *,
+        n_controls: int = 1000,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for site in bases:
+            if site.kind not in INPUT_KINDS:
+                raise UsageError(
+                    f"the weight_gradient probe reads the inputs of linear maps {INPUT_KINDS}; "
+                    f"got {site}."
+                )
+            backend.input_linears(site)  # fails now, not at the first pass
+        self.bases = dict(bases)
+        self.n_controls = check_int(n_controls, "n_controls", minimum=1)
+        self.seed = check_int(seed, "seed", minimum=0)
+        self._masks: dict[Site, Tensor | None] = {}
+        for site, basis in self.bases.items():
+            self.add_state(f"act/{site.hook_name}", Moments)
+            self.add_state(f"wgrad/{site.hook_name}", lambda d=basis.d: Sum((d, d)))
+            self.add_state(f"passes/{site.hook_name}", Sum)
+
+    @property
+    def forward_sites(self) -> list[Site]:
+        return list(self.bases)
+
+    @property
+    def reads_backward(self) -> bool:
+        return True
+
+    def attach(self, backend: Backend) -> list[Handle]:
+        """A forward hook on every linear map that reads a site (it hooks the outputs)."""
+        handles: list[Handle] = []
+        try:
+            for site in self.bases:
+                for i, (_, module) in enumerate(backend.input_linears(site)):
+                    handles.append(self._hook(site, module, counts_pass=i == 0))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        return handles
+
+    def _hook(self, site: Site, module: nn.Module, *, counts_pass: bool) -> ModuleHandle:
+        handle: ModuleHandle
+
+        def forward_hook(mod: nn.Module, args: tuple, output: Any) -> None:
+            if not (
+                torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad
+            ):
+                return
+            kept = [(args[0].detach(), self._masks.get(site))]
+
+            def on_grad(delta: Tensor) -> None:
+                if kept:  # once per forward: a second backward of a kept graph is not read
+                    x, mask = kept.pop()
+                    self._fold(site, x, delta, mask, counts_pass)
+
+            handle.add_tensor_hook(output, on_grad)
+
+        handle = ModuleHandle(module.register_forward_hook(forward_hook))
+        return handle
+
+    def _fold(
+        self, site: Site, x: Tensor, delta: Tensor, mask: Tensor | None, counts_pass: bool
+    ) -> None:
+        """S += G Gᵀ with G = XᵀΔ over the kept positions, in float64."""
+        with torch.no_grad():
+            x = x.reshape(-1, x.shape[-1])
+            delta = delta.detach().reshape(-1, delta.shape[-1])
+            if mask is not None:
+                keep = mask.reshape(-1).to(x.device)
+                x, delta = x[keep], delta[keep]
+            g = x.double().T @ delta.to(x.device, torch.float64)
+            self.state(f"wgrad/{site.hook_name}").add(g @ g.T)
+            if counts_pass:
+                self.state(f"passes/{site.hook_name}").add(torch.ones((), device=g.device))
+
+    def update(self, obs: Observation) -> None:
+        self._masks[obs.site] = obs.mask  # the maps that read the site run next
+        self.state(f"act/{obs.site.hook_name}").add_batch(*obs.statistics())
+
+    def matrices(self) -> dict[Site, Tensor]:
+        """Site → S = Σ G Gᵀ (d × d, float64), summed over passes and maps."""
+        return {s: self.state(f"wgrad/{s.hook_name}").value for s in self.bases}
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for site, s in self.matrices().items():
+            passes = float(self.state(f"passes/{site.hook_name}").value)
+            if passes == 0:
+                continue
+            acts = self.state(f"act/{site.hook_name}")
+            values = matrix_tests(
+                s,
+                self.bases[site],
+                n_controls=self.n_controls,
+                seed=self.seed,
+                activation_moments=acts if acts.count else None,
+            )
+            values["n_passes"] = passes
+            out += [row(self.name, site, k, v) for k, v in values.items()]
+        return out

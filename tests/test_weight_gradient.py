@@ -1,0 +1,330 @@
+"""The weight-gradient probe: Σ G Gᵀ of the q/k/v and MLP-input weight gradients, checked
+against autograd's own ``.grad`` on both backends, the closed forms, hook hygiene and
+exact merging."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from helpers import hook_counts
+from models import hf_model, padded_batch, tl_bridge, tokens
+
+from tangentlens.errors import UsageError
+from tangentlens.hooks import INPUT_KINDS, Site, get_backend
+from tangentlens.hooks.huggingface import unwrap
+from tangentlens.probes import WeightGradientProbe, fit_bases, lm_loss, probe, run
+from tangentlens.significance import energy_ratio, matrix_tests, tangent_tests
+from tangentlens.stats import Moments
+from tangentlens.subspace import TangentBasis, tangent_share
+
+nnsight = pytest.importorskip("nnsight")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+OPTS = {"n_controls": 50, "progress": False}
+PROBE = ("weight_gradient",)
+
+# Which weights read each site, by parameter name (bridge names without
+# "._original_component"): written out here, independently of `input_linears`.
+_WEIGHTS = {
+    ("tl", "gpt2"): (r"h\.{l}\.attn\.[qkv]\.weight", r"h\.{l}\.mlp\.c_fc\.weight"),
+    ("nnsight", "gpt2"): (r"h\.{l}\.attn\.c_attn\.weight", r"h\.{l}\.mlp\.c_fc\.weight"),
+    ("tl", "llama"): (
+        r"layers\.{l}\.self_attn\.[qkv]_proj\.weight",
+        r"layers\.{l}\.mlp\.(gate|up)_proj\.weight",
+    ),
+    ("tl", "neox"): (
+        r"layers\.{l}\.attention\.[qkv]\.weight",
+        r"layers\.{l}\.mlp\.dense_h_to_4h\.weight",
+    ),
+    ("nnsight", "neox"): (
+        r"layers\.{l}\.attention\.query_key_value\.weight",
+        r"layers\.{l}\.mlp\.dense_h_to_4h\.weight",
+    ),
+    ("nnsight", "bert"): (
+        r"layer\.{l}\.attention\.self\.(query|key|value)\.weight",
+        r"layer\.{l}\.intermediate\.dense\.weight",
+    ),
+}
+_WEIGHTS[("nnsight", "llama")] = _WEIGHTS[("tl", "llama")]
+_WEIGHTS[("tl", "bert")] = _WEIGHTS[("nnsight", "bert")]
+_WEIGHTS[("tl", "native")] = (
+    r"layers\.{l}\.attn\.[qkv]\.weight",
+    r"layers\.{l}\.mlp\.fc_in\.weight",
+)
+
+
+def _nnsight(arch: str) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BERT's `output` submodules are renamed E_output
+        return nnsight.NNsight(hf_model(arch))
+
+
+def _model(kind: str, arch: str) -> Any:
+    return tl_bridge(arch) if kind == "tl" else _nnsight(arch)
+
+
+def _torch_module(model: Any) -> torch.nn.Module:
+    return model if isinstance(model, torch.nn.Module) else unwrap(model)
+
+
+def _loss(arch: str):
+    if arch != "bert":
+        return lm_loss
+
+    def masked_loss(model: Any, batch: dict) -> torch.Tensor:
+        out = model(batch["input_ids"], attention_mask=batch["attention_mask"])
+        logits = getattr(out, "logits", out)
+        return logits.float().log_softmax(-1)[..., 3][batch["attention_mask"].bool()].sum()
+
+    return masked_loss
+
+
+def _batches(arch: str) -> list[dict]:
+    return [padded_batch(arch, batch=3, pos=12, seed=s) for s in range(3)]
+
+
+def _input_bases(model: Any, batches: list) -> Any:
+    def inputs(name: str) -> bool:
+        return Site.from_hook_name(name).kind in INPUT_KINDS
+
+    return fit_bases(model, batches, rank=4, sites=inputs, progress=False)
+
+
+def _autograd_matrices(kind: str, arch: str, model: Any, batches: list) -> dict[Site, torch.Tensor]:
+    """Σ over batches and weights of G Gᵀ, G the input side of each weight's ``.grad``."""
+    module = _torch_module(model)
+    params = dict(module.named_parameters())
+    out: dict[Site, torch.Tensor] = {}
+    for batch in batches:
+        module.zero_grad(set_to_none=True)
+        _loss(arch)(model, batch).backward()
+        for layer in range(2):
+            for kind_, pattern in zip(INPUT_KINDS, _WEIGHTS[(kind, arch)], strict=True):
+                regex = re.compile(r"(^|\.)" + pattern.format(l=layer) + "$")
+                names = [n for n in params if regex.search(n.replace("._original_component", ""))]
+                assert names, (kind, arch, pattern)
+                for name in names:
+                    owner = module.get_submodule(name.rsplit(".", 1)[0])
+                    grad = params[name].grad.double()
+                    # nn.Linear stores (out, in); GPT-2's Conv1D stores (in, out)
+                    g = grad if type(owner).__name__ == "Conv1D" else grad.T
+                    site = Site(layer, kind_)
+                    out[site] = out.get(site, 0) + g @ g.T
+    module.zero_grad(set_to_none=True)
+    return out
+
+
+# ------------------------------------------------------------------ autograd reference
+@pytest.mark.parametrize(
+    ("kind", "arch"),
+    [
+        ("tl", "gpt2"),
+        ("nnsight", "gpt2"),
+        ("tl", "llama"),
+        ("nnsight", "llama"),
+        ("tl", "neox"),
+        ("nnsight", "neox"),
+        ("tl", "bert"),
+        ("nnsight", "bert"),
+        ("tl", "native"),
+    ],
+)
+def test_tangent_share_matches_autograd_weight_gradients(kind: str, arch: str) -> None:
+    """Per batch, the weights' own ``.grad`` (model.zero_grad, loss.backward) give Σ G Gᵀ;
+    the probe, fed by hooks inside `run`, reproduces it and its tangent share."""
+    model, batches = _model(kind, arch), _batches(arch)
+    bases = _input_bases(model, batches)
+    session = run(model, batches, bases, PROBE, loss=_loss(arch), **OPTS)
+    probe_ = session.probes["weight_gradient"]
+    expected = _autograd_matrices(kind, arch, model, batches)
+    table = session.results()
+    worst_share = worst_matrix = 0.0
+    for site, s in probe_.matrices().items():
+        ref = expected[site]
+        worst_matrix = max(worst_matrix, float((s - ref).norm() / ref.norm()))
+        got = table.query(f"hook == '{site.hook_name}' and statistic == 'tangent_share'")
+        want = tangent_share(ref, bases[site])
+        worst_share = max(worst_share, abs(float(got["value"].item()) - want) / want)
+    print(f"\n{kind}/{arch}: max rel. error S {worst_matrix:.1e}, tangent_share {worst_share:.1e}")
+    assert worst_share < 1e-6
+    assert worst_matrix < 1e-5
+    passes = table.query("statistic == 'n_passes'")["value"]
+    assert len(passes) == 4 and (passes == len(batches)).all()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_closed_forms(arch: str) -> None:
+    """energy_ratio is the closed form of the share; normalized_ratio divides by the same
+    ratio of the inputs' uncentred second moment, computed here from run_with_cache."""
+    model, batches = tl_bridge(arch), _batches(arch)
+    bases = _input_bases(model, batches)
+    table = run(model, batches, bases, PROBE, **OPTS).results()
+    inputs = {Site(layer, k): Moments() for layer in range(2) for k in INPUT_KINDS}
+    for batch in batches:
+        names = {s: f"blocks.{s.layer}.{s.kind[:-3]}.hook_in" for s in inputs}
+        _, cache = model.run_with_cache(
+            batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            names_filter=list(names.values()),
+        )
+        for site, name in names.items():
+            inputs[site].update(cache[name], batch["attention_mask"])
+    for site, moments in inputs.items():
+        stats = table[table.hook == site.hook_name].set_index("statistic")["value"]
+        k, d = bases[site].k, bases[site].d
+        ratio = energy_ratio(float(stats["tangent_share"]), k, d)
+        assert abs(stats["energy_ratio"] - ratio) <= 1e-9 * ratio
+        activation_ratio = energy_ratio(tangent_share(moments, bases[site]), k, d)
+        assert stats["normalized_ratio"] == pytest.approx(ratio / activation_ratio, rel=1e-9)
+        assert stats["chance_share"] == k / d
+        assert 0 < stats["p_value"] <= 1 and 0 < stats["p_value_normal"] <= 1
+
+
+def test_matrix_tests_equal_tangent_tests_on_a_second_moment() -> None:
+    """The matrix entry of `significance` is the energy test of `tangent_tests`: same
+    controls, same frames, same numbers."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(500, 24, generator=gen, dtype=torch.float64) * torch.linspace(0.2, 2, 24)
+    moments = Moments().update(x)
+    basis = TangentBasis.fit(Moments().update(x[:250]), 3)
+    acts = Moments().update(x[250:] + 1)
+    opts = {"n_controls": 200, "seed": 3, "activation_moments": acts}
+    by_matrix = matrix_tests(moments.second_moment(), basis, **opts)
+    by_moments = tangent_tests(moments, basis, **opts)
+    assert set(by_matrix) == {
+        "tangent_share",
+        "chance_share",
+        "energy_ratio",
+        "p_value",
+        "p_value_normal",
+        "normalized_ratio",
+    }
+    for key, value in by_matrix.items():
+        assert value == pytest.approx(by_moments[key], rel=1e-12, abs=0), key
+    with pytest.raises(UsageError, match="finite square"):
+        matrix_tests(torch.ones(3, 4), basis)
+    with pytest.raises(UsageError, match="basis has d=24"):
+        matrix_tests(torch.eye(8), basis)
+
+
+# ------------------------------------------------------------------ hygiene
+def test_parameters_grad_and_hooks_are_untouched() -> None:
+    """`run` leaves every ``.grad`` None and every hook as it was; around a user's
+    backward the ``.grad`` are exactly the unprobed ones; a graph built in the session
+    and backpropagated after it is not seen (its tensor hooks are gone)."""
+    arch = "llama"
+    model, batches = tl_bridge(arch), _batches(arch)
+    bases = _input_bases(model, batches)
+    model.zero_grad(set_to_none=True)
+    before = hook_counts(model)
+    try:
+        session = run(model, batches, bases, PROBE, **OPTS)
+        assert all(p.grad is None for p in model.parameters())
+        assert hook_counts(model) == before
+        assert (session.results().query("statistic == 'n_passes'")["value"] == 3).all()
+
+        lm_loss(model, batches[0]).backward()
+        plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        with probe(model, bases, PROBE, n_controls=10) as session:
+            assert hook_counts(model) != before
+            lm_loss(model, batches[0]).backward()
+            late = lm_loss(model, batches[1])
+        assert hook_counts(model) == before
+        probed = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert plain.keys() == probed.keys()
+        assert all(torch.equal(plain[n], probed[n]) for n in plain)
+        state = session.probes["weight_gradient"].state_dict()
+        late.backward()
+        after = session.probes["weight_gradient"].state_dict()
+        assert all(torch.equal(state[k], after[k]) for k in state)
+
+        with pytest.raises(RuntimeError, match="boom"), probe(model, bases, PROBE):
+            lm_loss(model, batches[0])
+            raise RuntimeError("boom")
+        assert hook_counts(model) == before
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+def test_frozen_model_inside_a_user_backward() -> None:
+    """On a frozen model the session's embedding leaf carries the gradient to the maps."""
+    arch = "gpt2"
+    model, batches = _nnsight(arch), _batches(arch)
+    bases = _input_bases(model, batches)
+    unwrap(model).requires_grad_(False)
+    with probe(model, bases, PROBE, n_controls=10) as session:
+        for batch in batches:
+            lm_loss(model, batch).backward()
+    assert all(p.grad is None for p in unwrap(model).parameters())
+    passes = session.results().query("statistic == 'n_passes'")["value"]
+    assert len(passes) == 4 and (passes == 3).all()
+
+
+# ------------------------------------------------------------------ state
+def test_merge_of_two_half_runs_equals_one_run() -> None:
+    arch = "gpt2"
+    model, batches = tl_bridge(arch), _batches(arch)
+    bases = _input_bases(model, batches)
+    whole = run(model, batches, bases, PROBE, **OPTS).probes["weight_gradient"]
+    first = run(model, batches[:1], bases, PROBE, **OPTS).probes["weight_gradient"]
+    second = run(model, batches[1:], bases, PROBE, **OPTS).probes["weight_gradient"]
+    merged = first.merge(second)
+    a, b = whole.state_dict(), merged.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=0)
+    read = {site: bases[site] for site in whole.bases}
+    loaded = WeightGradientProbe(read, get_backend(model), n_controls=50)
+    loaded.load_state_dict(merged.state_dict())
+    rows, loaded_rows = merged.rows(), loaded.rows()
+    assert rows == loaded_rows and len(rows) == 4 * 7
+
+
+# ------------------------------------------------------------------ sites and errors
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "neox", "bert", "native"])
+def test_input_linears_read_the_site(arch: str) -> None:
+    """Every map `input_linears` names takes the site's activation as its input."""
+    backends = [get_backend(tl_bridge(arch))]
+    if arch != "native":
+        backends.append(get_backend(_nnsight(arch)))
+    for be in backends:
+        for kind in INPUT_KINDS:
+            seen = _inputs_seen(be, Site(1, kind), tokens(arch))
+            assert len(seen) > 1, (arch, kind)
+            for name, x in seen.items():
+                assert torch.equal(x, seen["site"]), (type(be).__name__, arch, name)
+
+
+def _inputs_seen(be: Any, site: Site, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The site's activation and each input linear's input, in one forward pass."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = [be.add_forward_hook(site, lambda x: seen.update(site=x))]
+    for name, module in be.input_linears(site):
+        hook = module.register_forward_hook(lambda m, a, o, n=name: seen.update({n: a[0]}))
+        handles.append(hook)
+    try:
+        with torch.no_grad():
+            be.model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def test_bad_sites_name_the_fix() -> None:
+    model = tl_bridge("gpt2")
+    be = get_backend(model)
+    basis = TangentBasis(torch.eye(32, dtype=torch.float64)[:, :4])
+    with pytest.raises(UsageError, match="inputs of linear maps"):
+        WeightGradientProbe({Site(0, "resid_pre"): basis}, be)
+    for backend in (be, get_backend(_nnsight("gpt2"))):
+        with pytest.raises(UsageError, match="read by linear maps"):
+            backend.input_linears(Site(0, "resid_post"))
+    with pytest.warns(UserWarning, match="weight_gradient probe has no site.*mlp_in"):
+        probe(model, {"blocks.0.hook_resid_pre": basis}, ("residual", "weight_gradient"))
