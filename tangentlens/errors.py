@@ -7,6 +7,8 @@
 - `CorruptFileError` (a `ValueError`): a file on disk is damaged, truncated or not
   what its name says. One line naming the file and the fix, exit 2.
 - `HubUnavailableError`: a hub id was named but the hub cannot be reached.
+- `UnstableBasisWarning`: bases fitted on two halves of the sequences barely overlap:
+  Q_T is mostly sampling noise at this many tokens.
 - `ExchangeabilityWarning`: normal controls are not exchangeable with Q_T at this
   k/d, so their p-values are anti-conservative. Filter it by class, never by text.
 
@@ -21,6 +23,7 @@ __all__ = [
     "HubUnavailableError",
     "MissingFileError",
     "TangentlensError",
+    "UnstableBasisWarning",
     "UsageError",
 ]
 
@@ -47,3 +50,7 @@ class HubUnavailableError(UsageError, ConnectionError):
 
 class ExchangeabilityWarning(UserWarning):
     """Normal controls are not exchangeable with Q_T: their p-values are anti-conservative."""
+
+
+class UnstableBasisWarning(UserWarning):
+    """Q_T fitted on two halves of the sequences overlaps little more than chance."""

@@ -1,13 +1,22 @@
-"""Atomic file writes, safetensors round trips (no pickle anywhere) and content hashes."""
+"""Atomic file writes, safetensors round trips (no pickle anywhere), content hashes, and
+the one-writer rule for output folders (`lock_folder`: an exclusive lock plus a record of
+which command and configuration made the folder)."""
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import fnmatch
 import hashlib
 import json
 import os
+import re
+import shlex
+import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,16 +26,30 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .errors import CorruptFileError, MissingFileError, UsageError
+from .version import __version__
 
 __all__ = [
+    "LOCK_FILE",
+    "RECORD_FILE",
+    "FolderLock",
     "atomic_write",
+    "check_safetensors",
+    "config_digest",
     "dataclass_from_dict",
+    "environment_error",
     "load_tensors",
+    "lock_folder",
+    "make_readable",
+    "read_text_file",
+    "remove_stale_temporaries",
     "save_tensors",
     "tensor_hash",
     "write_json",
     "write_text",
 ]
+
+LOCK_FILE = ".tangentlens.lock"
+RECORD_FILE = ".tangentlens-folder.json"
 
 T = TypeVar("T")
 _UMASK = os.umask(0)
@@ -37,7 +60,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a temporary file beside ``path``, fsync, then rename.
 
     A reader never sees a partial file under the final name: a crash leaves at
-    most a ``.tmp`` file that the next run overwrites.
+    most a hidden ``.{name}.*.tmp`` file, which `remove_stale_temporaries` clears when
+    the command runs again.
     """
     path = Path(path)
     try:
@@ -51,7 +75,15 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        write(tmp_path)
+        try:
+            write(tmp_path)
+        except OSError:
+            raise
+        except Exception as err:  # safetensors and tokenizers wrap the OS error in their own
+            env = environment_error(err, path)
+            if env is None:
+                raise
+            raise env from err
         os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600: give ordinary permissions
         with open(tmp_path, "rb") as fh:
             os.fsync(fh.fileno())
@@ -59,6 +91,42 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     finally:
         tmp_path.unlink(missing_ok=True)
     return path
+
+
+def environment_error(err: BaseException, path: str | Path) -> OSError | None:
+    """The `OSError` (disk full, file too large, ...) that a library reported inside its own
+    exception type, as Rust code does ("... (os error 28)"); None when there is none, so
+    the CLI can name the cause in one line instead of a traceback."""
+    found = re.search(r"os error (\d+)|code: (\d+)", str(err))
+    if found is None:
+        return None
+    code = int(found.group(1) or found.group(2))
+    return OSError(code, os.strerror(code), str(path))
+
+
+def make_readable(path: str | Path) -> None:
+    """Give a folder made by ``tempfile.mkdtemp`` (0700) and the files that libraries write
+    there (0600) the permissions of the umask, as every other output has."""
+    root = Path(path)
+    for entry in [root, *root.rglob("*")]:
+        if entry.is_symlink():
+            continue
+        os.chmod(entry, (0o777 if entry.is_dir() else 0o666) & ~_UMASK)
+
+
+def remove_stale_temporaries(folder: str | Path, patterns: Sequence[str] = (".*.tmp",)) -> int:
+    """Delete the temporaries a killed run left under ``folder`` (`atomic_write`'s hidden
+    ``.{name}.*.tmp`` files, or ``patterns``); returns how many. Call it only as the
+    folder's one writer: subfolders with a lock of their own belong to another writer and
+    are skipped."""
+    removed = 0
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not (Path(root, d) / LOCK_FILE).exists()]
+        for name in files:
+            if any(fnmatch.fnmatch(name, p) for p in patterns):
+                Path(root, name).unlink(missing_ok=True)
+                removed += 1
+    return removed
 
 
 def write_text(path: str | Path, text: str) -> Path:
@@ -74,6 +142,33 @@ def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[st
     return atomic_write(path, lambda p: save_file(tensors, str(p), metadata=metadata))
 
 
+def check_safetensors(path: str | Path) -> dict[str, Any]:
+    """The header of a safetensors file, after checking that the file is whole: a readable
+    header whose tensors cover the data exactly (a truncated copy fails here, at once,
+    instead of deep inside a model loader). Damage is a `CorruptFileError`."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= size - 8:
+                raise ValueError(f"header length {n} in a file of {size} bytes")
+            header = json.loads(fh.read(n))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+        raise CorruptFileError(
+            f"{path} is not a whole safetensors file ({err}); restore or re-create it."
+        ) from err
+    expected = 8 + n + max(ends, default=0)
+    if size != expected:
+        raise CorruptFileError(
+            f"{path} is truncated or damaged ({size} bytes where its header needs {expected}); "
+            "restore or re-create it."
+        )
+    return header
+
+
 def load_tensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     path = Path(path)
     if not path.is_file():
@@ -82,11 +177,37 @@ def load_tensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         with safe_open(str(path), framework="pt") as fh:
             meta = dict(fh.metadata() or {})
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError, ValueError) as err:
+    except (SafetensorError, ValueError) as err:
         raise CorruptFileError(
             f"{path} is corrupt or truncated ({err}); delete it and re-create it."
         ) from err
     return tensors, meta
+
+
+def read_text_file(path: str | Path, encoding: str = "utf-8") -> str:
+    """The text of ``path``, decoded strictly: bytes that are not ``encoding`` or NUL bytes
+    (a binary file) are a `UsageError` naming the file and the fix, never U+FFFD."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode(encoding)
+    except LookupError:
+        raise UsageError(
+            f"unknown text encoding {encoding!r}; pass a Python codec name such as utf-8 or "
+            "latin-1 to --encoding."
+        ) from None
+    except UnicodeDecodeError as err:
+        raise UsageError(
+            f"{path} is not {encoding} text (byte {data[err.start]:#04x} at offset {err.start}); "
+            "convert it to UTF-8, or pass its encoding with --encoding (e.g. latin-1)."
+        ) from None
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise UsageError(
+            f"{path} is a binary file (a NUL character at offset {nul}), not text; "
+            "pass a text file."
+        )
+    return text
 
 
 def dataclass_from_dict(cls: type[T], d: Mapping[str, Any]) -> T:
@@ -106,3 +227,168 @@ def tensor_hash(tensors: dict[str, Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- one writer
+def config_digest(config: Mapping[str, Any]) -> str:
+    """SHA-256 of a configuration's canonical JSON: what a folder's record compares."""
+    text = json.dumps(config, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass
+class _Held:
+    fd: int
+    depth: int = 1
+    claimed_by: str | None = None  # the outermost command of this process that claimed it
+
+
+_HELD: dict[str, _Held] = {}
+
+
+@dataclass
+class FolderLock:
+    """This process's exclusive hold on an output folder (see `lock_folder`)."""
+
+    folder: Path
+    command: str
+    _key: str = field(repr=False)
+
+    def claim(
+        self,
+        config: Mapping[str, Any],
+        outputs: Sequence[str],
+        *,
+        results: Sequence[str] = (),
+        adopt: Callable[[], bool] | None = None,
+    ) -> None:
+        """Check, then record, that this command with this configuration writes the folder.
+
+        ``outputs``: glob patterns of what the command writes; ``results``: those whose
+        presence means work is done. The folder's record (`RECORD_FILE`) must name this
+        command and configuration; a record of another configuration is replaced only
+        while none of ``results`` exists (a run that failed before computing anything).
+        A folder without a record may hold none of ``outputs`` unless ``adopt()`` accepts
+        them (a folder of this command from before records; it may raise its own
+        `UsageError`). A command run inside another one of this process that already
+        claimed the folder (the demo's steps) adds itself to that record.
+        """
+        held = _HELD[self._key]
+        path = self.folder / RECORD_FILE
+        mine = {"command": self.command, "digest": config_digest(config), "config": config}
+        record = _read_record(path)
+        writers = record["writers"] if record else []
+        if any(w["command"] == mine["command"] and w["digest"] == mine["digest"] for w in writers):
+            held.claimed_by = held.claimed_by or self.command
+            return
+        if held.claimed_by not in (None, self.command):
+            _write_record(path, [*writers, json.loads(json.dumps(mine, default=str))])
+            return
+        if writers:
+            same = [w for w in writers if w["command"] == self.command]
+            if not same:
+                raise UsageError(
+                    f"{self.folder} holds the output of `tangentlens {writers[0]['command']}`; "
+                    f"`tangentlens {self.command}` never writes over another command's "
+                    "results: choose a new --out."
+                )
+            done = _present(self.folder, results)
+            if done:
+                diff = _differences(same[0].get("config", {}), mine["config"])
+                raise UsageError(
+                    f"{self.folder} holds a `tangentlens {self.command}` run with another "
+                    f"configuration (differs in {diff}); rerun with the same options to "
+                    "resume, or choose a new --out."
+                )
+        else:
+            found = _present(self.folder, outputs)
+            if found and not (adopt is not None and adopt()):
+                raise UsageError(
+                    f"{self.folder} already holds {', '.join(found[:4])} not made by "
+                    f"`tangentlens {self.command}` (no {RECORD_FILE}); it never overwrites "
+                    "results it did not make: choose a new --out."
+                )
+        _write_record(path, [json.loads(json.dumps(mine, default=str))])
+        held.claimed_by = self.command
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if not all(isinstance(w["command"], str) and w["digest"] for w in record["writers"]):
+            raise ValueError("a writer without command or digest")
+    except (ValueError, TypeError, KeyError) as err:
+        raise CorruptFileError(
+            f"{path} is damaged ({err}); restore it, or choose a new --out."
+        ) from err
+    return record
+
+
+def _write_record(path: Path, writers: list[dict[str, Any]]) -> None:
+    write_json(path, {"tangentlens_version": __version__, "writers": writers})
+
+
+def _present(folder: Path, patterns: Sequence[str]) -> list[str]:
+    found = {str(p.relative_to(folder)) for pattern in patterns for p in folder.glob(pattern)}
+    return sorted(found)
+
+
+def _differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    b = json.loads(json.dumps(b, default=str))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def _holder(fd: int) -> str:
+    """Who holds a lock, from what it wrote into the lock file."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {int(info['pid'])}: `{info['argv']}`"
+    except (OSError, ValueError, TypeError, KeyError):
+        return "a process that has not said who it is yet"
+
+
+@contextmanager
+def lock_folder(folder: str | Path, command: str) -> Iterator[FolderLock]:
+    """Hold ``folder`` for ``command`` as its one writer until the block ends.
+
+    An exclusive ``flock`` on ``folder/.tangentlens.lock`` (created with the folder; the
+    kernel drops it when the process ends, however it ends) that records this process's
+    pid and command line; a second writer fails at once with a `UsageError` naming them.
+    Holding it again in the same process nests (the demo's steps).
+    """
+    folder = Path(folder).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        key = os.path.realpath(folder)
+        held = _HELD.get(key)
+        fd = held.fd if held else os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UsageError(f"cannot write to {folder} ({reason}); choose a writable --out.") from err
+    if held is not None:
+        held.depth += 1
+        try:
+            yield FolderLock(folder, command, key)
+        finally:
+            held.depth -= 1
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise UsageError(
+            f"{folder} is in use by another tangentlens run ({holder}); wait for it to "
+            "finish, or choose another --out."
+        ) from None
+    _HELD[key] = _Held(fd)
+    try:
+        me = {"pid": os.getpid(), "command": command, "argv": shlex.join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        yield FolderLock(folder, command, key)
+    finally:
+        del _HELD[key]
+        os.close(fd)  # releases the lock

@@ -23,6 +23,7 @@ __all__ = [
     "TangentBasis",
     "chance_overlap",
     "complement",
+    "near_chance",
     "normal_controls",
     "shares",
     "split_half_overlap",
@@ -359,6 +360,13 @@ def split_half_overlap(moments_a: Moments, moments_b: Moments, rank: int) -> flo
     return subspace_overlap(
         TangentBasis.fit(moments_a, rank=rank), TangentBasis.fit(moments_b, rank=rank)
     )
+
+
+def near_chance(overlap: float, k: int, d: int) -> bool:
+    """Whether a split-half ``overlap`` lies within a quarter of the way from chance (k/d)
+    to 1: Q_T is then mostly sampling noise (`UnstableBasisWarning`)."""
+    chance = chance_overlap(k, d)
+    return overlap < chance + 0.25 * (1 - chance)
 
 
 def chance_overlap(k: int, d: int) -> float:

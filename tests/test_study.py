@@ -125,8 +125,11 @@ def _stats(frame: pd.DataFrame, **where) -> set[str]:
 
 
 def test_table_columns_windows_and_statistics(study):
-    _, _, frame = study
-    assert list(frame.columns) == list(results.COLUMNS)
+    _, _, table = study
+    assert list(table.columns) == list(results.COLUMNS)
+    study_level = table[table["step"].isna()]  # basis diagnostics belong to no checkpoint
+    assert set(study_level["probe"]) == {"basis"}
+    frame = table[table["step"].notna()]
     assert sorted(frame["step"].unique()) == STEPS
     assert (frame["checkpoint"] == "step" + frame["step"].astype(str)).all()
     windows = frame.groupby("step")["window"].first().to_dict()
@@ -159,6 +162,27 @@ def test_table_columns_windows_and_statistics(study):
     assert frame.loc[frame["statistic"] == "twonn_dimension", "rank"].isna().all()
 
 
+def test_intervals_basis_diagnostics_and_grouped_twonn(study):
+    """Issue 11 in the study: jackknife intervals contain their values, basis rows exist,
+    TwoNN is measured across sequences with the within-sequence estimate beside it."""
+    _, _, frame = study
+    for stat in ("tangent_share", "energy_ratio", "normalized_ratio", "delta_iso_tangent"):
+        rows = frame[(frame["probe"] == "gradient") & (frame["statistic"] == stat)]
+        assert len(rows) and rows["ci_low"].notna().all(), stat
+        assert (rows["ci_low"] <= rows["value"] + 1e-12).all(), stat
+        assert (rows["value"] <= rows["ci_high"] + 1e-12).all(), stat
+    basis = frame[frame["probe"] == "basis"]
+    assert {"eigengap", "split_half_overlap", "chance_overlap", "drift_overlap"} <= set(
+        basis["statistic"]
+    )
+    overlap = basis[basis["statistic"].isin(["split_half_overlap", "drift_overlap"])]["value"]
+    assert ((overlap >= 0) & (overlap <= 1 + 1e-9)).all()
+    drift = basis[basis["statistic"] == "drift_overlap"]
+    assert drift["step"].notna().all() and len(drift["step"].unique()) == len(STEPS)
+    twonn = set(frame[frame["probe"] == "activation"]["statistic"])
+    assert {"twonn_dimension", "twonn_dimension_within"} <= twonn
+
+
 def test_values_are_finite_and_in_range(study):
     _, _, frame = study
     value = frame["value"]
@@ -177,9 +201,15 @@ def test_values_are_finite_and_in_range(study):
     assert (vals("energy_ratio") > 0).all()
     corr = frame["statistic"].str.match(r"^(pearson|spearman)_(mean_all|mean_seen|weighted|norm)$")
     assert (value[corr].abs() <= 1).all()
-    ci = frame[corr]
-    assert ((ci["ci_low"] <= ci["value"]) & (ci["value"] <= ci["ci_high"])).all()
-    assert frame.loc[~corr, ["ci_low", "ci_high"]].isna().all().all()
+    jackknifed = frame["statistic"].isin(
+        ["tangent_share", "energy_ratio", "normalized_ratio", "delta_iso_tangent"]
+    ) & frame["probe"].isin(["gradient", "residual"])
+    ci = frame[corr | (jackknifed & frame["ci_low"].notna())]
+    tol = 1e-12
+    assert ((ci["ci_low"] <= ci["value"] + tol) & (ci["value"] <= ci["ci_high"] + tol)).all()
+    assert frame.loc[~(corr | jackknifed), ["ci_low", "ci_high"]].isna().all().all()
+    writes = frame["site"].isin(["attn_out", "mlp_out"])  # one Moments, no groups: no CI
+    assert frame.loc[jackknifed & ~writes, "ci_low"].notna().all()
     chance = frame[(frame["statistic"] == "chance_share") & (frame["probe"] == "gradient")]
     assert np.allclose(chance["value"], chance["rank"].astype(float) / D_MODEL)
 

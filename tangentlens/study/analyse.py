@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 import time
+import warnings
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -25,13 +26,23 @@ from tqdm.auto import tqdm
 
 from .. import results
 from ..embedding_geometry import frequency_distance, update_split
+from ..errors import UnstableBasisWarning
 from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site
 from ..metrics import effective_rank, isoscore, participation_ratio, twonn_dimension
 from ..probes.bases import BasisSet
 from ..probes.residual import write_basis_site
 from ..significance import tangent_tests
 from ..stats import Moments
-from ..subspace import TangentBasis, shares, tangent_share
+from ..subspace import (
+    TangentBasis,
+    chance_overlap,
+    near_chance,
+    shares,
+    split_half_overlap,
+    subspace_overlap,
+    tangent_share,
+)
+from ..uncertainty import tangent_intervals
 from ..version import __version__
 from .collect import Part
 from .config import StudyConfig
@@ -72,10 +83,11 @@ class _Rows:
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
-        self.step = 0
+        self.step: int | None = 0
         self.window = ""
 
-    def at(self, step: int, window: str) -> _Rows:
+    def at(self, step: int | None, window: str) -> _Rows:
+        """Rows that follow belong to checkpoint ``step`` (None: the whole study)."""
         self.step, self.window = step, window
         return self
 
@@ -97,7 +109,7 @@ class _Rows:
             low, high = (cis or {}).get(stat, (math.nan, math.nan))
             self.rows.append(
                 {
-                    "checkpoint": f"step{self.step}",
+                    "checkpoint": None if self.step is None else f"step{self.step}",
                     "step": self.step,
                     "window": self.window,
                     "rank": rank,
@@ -134,15 +146,49 @@ def _fit_bases(
         "library": f"tangentlens {__version__}",
         "n_tokens": pooled[sites[0]].count,
     }
+    halves = {s: _halves([parts[t].act_groups[s] for t in early]) for s in sites}
     bases = {}
     for k in cfg.ranks:
         info = {**provenance, "rank": k}
-        bases[k] = {
-            s: TangentBasis.fit(pooled[s], k, provenance={"site": s.hook_name, **info})
-            for s in sites
-        }
+        bases[k] = {}
+        for s in sites:
+            split = split_half_overlap(*halves[s], k) if halves[s] else math.nan
+            bases[k][s] = TangentBasis.fit(
+                pooled[s], k, provenance={"site": s.hook_name, "split_half_overlap": split, **info}
+            )
         BasisSet(bases[k], provenance=info).save(out / "bases" / f"rank{k}.safetensors")
     return bases
+
+
+def _halves(groups_by_step: list[list[Moments]]) -> tuple[Moments, Moments] | None:
+    """The early-window activations of the even and of the odd groups of sequences."""
+    even = _merge([g[i] for g in groups_by_step for i in range(0, len(g), 2)])
+    odd = _merge([g[i] for g in groups_by_step for i in range(1, len(g), 2)])
+    return (even, odd) if min(even.count, odd.count) >= 2 else None
+
+
+def _basis_rows(rows: _Rows, bases: dict[int, dict[Site, TangentBasis]]) -> None:
+    """Basis diagnostics (probe ``basis``, no checkpoint): eigengap λ_k/λ_{k+1},
+    split-half overlap and its chance level k/d; warns once when a basis is unstable."""
+    unstable = []
+    for k, by_site in bases.items():
+        for site, basis in by_site.items():
+            split = float(basis.provenance.get("split_half_overlap", math.nan))
+            values = {
+                "eigengap": basis.eigengap_,
+                "split_half_overlap": split,
+                "chance_overlap": chance_overlap(basis.k, basis.d),
+            }
+            rows.add("basis", values, rank=k, site=site)
+            if math.isfinite(split) and near_chance(split, basis.k, basis.d):
+                unstable.append(f"{site.hook_name} (rank {k}: {split:.2f})")
+    if unstable:
+        warnings.warn(
+            f"Q_T fitted on two halves of the probe sequences barely overlaps at {unstable} "
+            "(chance is k/d): these bases are mostly sampling noise; use more sequences.",
+            UnstableBasisWarning,
+            stacklevel=3,
+        )
 
 
 def _site_rows(
@@ -157,7 +203,12 @@ def _site_rows(
     act, grad = part.acts[site], part.grads[site]
     free = {}
     if site in part.samples:
-        free["twonn_dimension"] = twonn_dimension(part.samples[site])
+        # neighbours from other sequences only: within a sequence, attention over the
+        # prefix makes consecutive positions near-duplicates (TwoNN would measure the
+        # sequence, not the cloud); the plain estimate stays as twonn_dimension_within
+        sample = part.samples[site]
+        free["twonn_dimension"] = twonn_dimension(sample, groups=part.sample_sequence)
+        free["twonn_dimension_within"] = twonn_dimension(sample)
     free |= {
         "effective_rank": effective_rank(act),
         "participation_ratio": participation_ratio(act),
@@ -176,6 +227,8 @@ def _site_rows(
     # trace (gradient scale falls ~1000x in training; unscaled, the reference would swamp
     # the late checkpoints' own covariance).
     reference = pooled_shape * torch.trace(grad.covariance(ddof=1))
+    act_groups = [m for m in part.act_groups[site] if m.count]
+    grad_groups = [m for m in part.grad_groups[site] if m.count]
     for k in cfg.ranks:
         basis = bases[k][site]
         tests = tangent_tests(
@@ -187,8 +240,20 @@ def _site_rows(
             reference=reference,
             activation_moments=act,
         )
-        rows.add("gradient", tests, rank=k, site=site)
-        rows.add("residual", _share_stats(act, basis), rank=k, site=site)
+        cis = act_cis = {}
+        if len(grad_groups) >= 2 and len(grad_groups) == len(act_groups):
+            cis = tangent_intervals(
+                grad_groups,
+                basis,
+                activation_groups=act_groups,
+                zeta=cfg.zeta,
+                reference=reference,
+            )
+            act_cis = tangent_intervals(act_groups, basis)
+        rows.add("gradient", tests, rank=k, site=site, cis=cis)
+        rows.add("residual", _share_stats(act, basis), rank=k, site=site, cis=act_cis)
+        drift = TangentBasis.fit(act, basis.k)
+        rows.add("basis", {"drift_overlap": subspace_overlap(basis, drift)}, rank=k, site=site)
 
 
 def _embedding_rows(
@@ -254,6 +319,7 @@ def analyse(
     embed_bases = {k: b[embed_site] for k, b in bases.items()} if embed_site in sites else None
 
     rows = _Rows()
+    _basis_rows(rows.at(None, "early"), bases)
     counts_np = counts.numpy()
     prev: Tensor | None = None
     for step in tqdm(steps, desc="study: statistics", disable=not progress):

@@ -29,9 +29,9 @@ from ..files import load_tensors, save_tensors
 from ..hooks.base import get_backend
 from ..hooks.sites import WRITE_KINDS, Site
 from ..models import quiet_transformers
+from ..probes.base import Observation, Probe
 from ..probes.driver import lm_loss, run
 from ..stats import Moments
-from ..subspace import TangentBasis
 from .config import StudyConfig, open_series, threads
 
 __all__ = ["PART_KEY", "PROBE_FILE", "Part", "collect", "load_part", "part_path", "probe_set"]
@@ -121,6 +121,45 @@ def _study_sites(kinds: tuple[str, ...], n_layers: int) -> list[Site]:
     return sites
 
 
+class _GroupMoments(Probe):
+    """Activation and gradient `Moments` per group of sequences at the study's sites
+    (activations only, ungrouped, at the block writes): the basis-free sufficient
+    statistics of a part. Group ``g`` holds the batches whose index is g mod G."""
+
+    name = "study_moments"
+
+    def __init__(self, sites: list[Site], writes: list[Site], n_groups: int) -> None:
+        super().__init__()
+        self.sites, self.writes, self.n_groups = sites, writes, n_groups
+        for site in sites:
+            for g in range(n_groups):
+                self.add_state(f"act/{g}/{site.hook_name}", Moments)
+                self.add_state(f"grad/{g}/{site.hook_name}", Moments)
+        for site in writes:
+            self.add_state(f"act/all/{site.hook_name}", Moments)
+
+    @property
+    def forward_sites(self) -> list[Site]:
+        return self.sites + self.writes
+
+    @property
+    def backward_sites(self) -> list[Site]:
+        return list(self.sites)
+
+    def _key(self, kind: str, obs: Observation) -> str:
+        group = "all" if obs.site in self.writes else obs.group % self.n_groups
+        return f"{kind}/{group}/{obs.site.hook_name}"
+
+    def update(self, obs: Observation) -> None:
+        self.state(self._key("act", obs)).add_batch(*obs.statistics())
+
+    def update_gradient(self, obs: Observation) -> None:
+        self.state(self._key("grad", obs)).add_batch(*obs.statistics())
+
+    def rows(self) -> list[dict[str, Any]]:
+        return []
+
+
 def _collect_one(
     cfg: StudyConfig, series: Any, i: int, tokens: Tensor, rank: int, world_size: int
 ) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
@@ -144,17 +183,15 @@ def _collect_one(
         [Site(layer, k) for layer in range(n_layers) for k in WRITE_KINDS] if cfg.writes else []
     )
     writes = [s for s in writes if s in available]
-    # The pass is basis-free; the session plans its gradient probe from a basis per site.
-    placeholder = TangentBasis(torch.eye(d, dtype=torch.float64)[:, :1])
-    chunks = tokens.split(cfg.batch_size)
-    batches = [(j * cfg.batch_size, batch) for j, batch in enumerate(chunks)]
+    batches = list(enumerate(tokens.split(cfg.batch_size)))  # (global batch index, batch)
     mine = shard(batches, rank, world_size)
     sample = _TokenSample(cfg, tokens.shape, sites, d)
     nll = torch.zeros(1, dtype=torch.float64)
+    moments = _GroupMoments(sites, writes, cfg.n_groups)
 
     def feed() -> Iterator[Tensor]:
-        for first, batch in mine:
-            sample.start = first
+        for j, batch in mine:
+            sample.start = j * cfg.batch_size
             yield batch
 
     def loss(m: Any, batch: Any) -> Tensor:
@@ -167,11 +204,11 @@ def _collect_one(
         session = run(
             model,
             feed(),
-            {s: placeholder for s in sites + writes},
-            ("gradient", "activation"),
+            None,
+            (moments,),
             loss=loss,
             progress=False,
-            n_controls=1,
+            group_of=lambda p: mine[p][0],  # group = global batch index mod G
         )
     finally:
         for handle in handles:
@@ -183,15 +220,10 @@ def _collect_one(
         dist.all_reduce(nll)
     if rank != 0:
         return None
-    acts = {s: session.activation.moments[s] for s in sites + writes}
-    grads = {s: m for s, m in session.gradient.moments().items() if s in sites}
-    tensors: dict[str, Tensor] = {}
-    for prefix, group in (("act", acts), ("grad", grads)):
-        for site, m in group.items():
-            for key, t in m.state_dict().items():
-                tensors[f"{prefix}/{site.hook_name}/{key}"] = t
+    tensors = dict(session.probes[moments.name].state_dict())
     for site, buffer in sample.buffers.items():
         tensors[f"sample/{site.hook_name}"] = buffer
+    tensors["sample_sequence"] = sample.seq.clone()
     tensors["embed"] = loaded.model.get_input_embeddings().weight.detach().float()
     ckpt = series[i]
     meta = {
@@ -202,6 +234,7 @@ def _collect_one(
         "eval_loss": ckpt.metadata.get("eval_loss"),
         "n_layers": n_layers,
         "d_model": d,
+        "n_groups": cfg.n_groups,
         "seconds": time.perf_counter() - start,
         "world_size": world_size,
     }
@@ -240,27 +273,69 @@ def collect_worker(
 
 @dataclass
 class Part:
+    """One checkpoint's statistics: per site the activation and gradient `Moments` of
+    each group of sequences (``*_groups``) and their merge (``acts``, ``grads``; writes:
+    activations only), the TwoNN token sample with its sequence index, the embedding."""
+
     acts: dict[Site, Moments]
     grads: dict[Site, Moments]
+    act_groups: dict[Site, list[Moments]]
+    grad_groups: dict[Site, list[Moments]]
     samples: dict[Site, Tensor]
+    sample_sequence: Tensor | None
     embed: Tensor
     meta: dict[str, Any]
 
 
+def _merged(groups: list[Moments]) -> Moments:
+    out = Moments()
+    for m in groups:
+        out.merge(m)
+    return out
+
+
 def load_part(path: Path) -> Part:
+    """Read a part file; anything missing or malformed is a `CorruptFileError`."""
     tensors, header = load_tensors(path)
     if PART_KEY not in header:
         raise CorruptFileError(f"{path} is not a study part; delete it and rerun the study.")
-    groups: dict[str, dict[Site, dict[str, Tensor]]] = {"act": {}, "grad": {}}
-    samples = {}
-    for name, t in tensors.items():
-        kind, _, rest = name.partition("/")
-        if kind in groups:
-            hook, _, key = rest.rpartition("/")
-            groups[kind].setdefault(Site.parse(hook), {})[key] = t
-        elif kind == "sample":
-            samples[Site.parse(rest)] = t
-    acts, grads = (
-        {s: Moments().load_state_dict(st) for s, st in groups[g].items()} for g in ("act", "grad")
-    )
-    return Part(acts, grads, samples, tensors["embed"], json.loads(header[PART_KEY]))
+    try:
+        meta = json.loads(header[PART_KEY])
+        states: dict[tuple[str, str, Site], dict[str, Tensor]] = {}
+        samples = {}
+        for name, t in tensors.items():
+            kind, _, rest = name.partition("/")
+            if kind in ("act", "grad"):
+                group, _, rest = rest.partition("/")
+                hook, _, key = rest.rpartition("/")
+                states.setdefault((kind, group, Site.parse(hook)), {})[key] = t
+            elif kind == "sample":
+                samples[Site.parse(rest)] = t
+        moments = {key: Moments().load_state_dict(st) for key, st in states.items()}
+        n_groups = int(meta["n_groups"])
+        act_groups: dict[Site, list[Moments]] = {}
+        grad_groups: dict[Site, list[Moments]] = {}
+        writes: dict[Site, Moments] = {}
+        for (kind, group, site), m in moments.items():
+            if group == "all":
+                writes[site] = m
+                continue
+            target = act_groups if kind == "act" else grad_groups
+            target.setdefault(site, [Moments() for _ in range(n_groups)])[int(group)] = m
+        acts = {s: _merged(g) for s, g in act_groups.items()} | writes
+        grads = {s: _merged(g) for s, g in grad_groups.items()}
+        return Part(
+            acts,
+            grads,
+            act_groups,
+            grad_groups,
+            samples,
+            tensors.get("sample_sequence"),
+            tensors["embed"],
+            meta,
+        )
+    except (KeyError, ValueError, TypeError, IndexError) as err:
+        raise CorruptFileError(
+            f"{path} is a damaged study part ({type(err).__name__}: {err}); delete it and "
+            "rerun the study (finished checkpoints are kept)."
+        ) from err

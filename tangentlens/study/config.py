@@ -41,7 +41,8 @@ class StudyConfig:
     seed: int = 0
     n_sequences: int = 32
     seq_len: int = 64
-    batch_size: int = 8
+    batch_size: int = 4
+    n_groups: int = 8  # groups of probe batches for the jackknife intervals over tokens
     probe_fraction: float = 0.05
     corpus: str | None = None  # text file, folder of .txt, or None for the KJV
     max_chars: int | None = None
@@ -82,6 +83,8 @@ class StudyConfig:
             )
         self.rank = ranks[0] if len(ranks) == 1 else tuple(sorted(set(ranks)))
         positive = ("n_controls", "n_sequences", "seq_len", "batch_size", "n_permutations")
+        if not is_int(self.n_groups) or self.n_groups < 2:
+            raise UsageError(f"StudyConfig.n_groups must be an int >= 2; got {self.n_groups!r}.")
         for name in positive:
             value = getattr(self, name)
             if not is_int(value) or value < 1:

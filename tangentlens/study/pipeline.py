@@ -24,7 +24,7 @@ import pandas as pd
 from .. import results
 from ..distributed import launch
 from ..errors import CorruptFileError, UsageError
-from ..files import tensor_hash, write_json
+from ..files import remove_stale_temporaries, tensor_hash, write_json
 from ..validation import check_int
 from .analyse import analyse
 from .collect import (
@@ -103,6 +103,7 @@ class Study:
 
 
 def _prepare_out_dir(cfg: StudyConfig, out: Path) -> None:
+    remove_stale_temporaries(out)  # left by a killed run of this study
     path = out / CONFIG_FILE
     mine = {k: v for k, v in cfg.to_dict().items() if k != "progress"}
     if path.is_file():
