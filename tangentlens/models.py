@@ -44,9 +44,11 @@ import transformers
 from huggingface_hub import try_to_load_from_cache
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from safetensors import SafetensorError
 from transformers.utils import logging as hf_logging
 
-from .errors import HubUnavailableError, MissingFileError, UsageError
+from .errors import CorruptFileError, HubUnavailableError, MissingFileError, UsageError
+from .files import check_safetensors, make_readable
 from .validation import check_backend
 
 __all__ = [
@@ -55,6 +57,8 @@ __all__ = [
     "KnownModel",
     "LoadedModel",
     "cache_dir",
+    "check_model_folder",
+    "is_hub_id",
     "load",
     "minilm_folder",
     "model_folder",
@@ -69,6 +73,8 @@ _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PROVENANCE = "tangentlens-conversion.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _NETWORK_TIMEOUT_S = 3.0
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             "seconds": round(time.perf_counter() - start, 1),
         }
         (tmp / _PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+        make_readable(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -226,8 +233,69 @@ def _sha256(path: Path) -> str:
 
 
 def is_hub_id(name: str) -> bool:
-    """Whether ``name`` reads as a hub id (``org/name``), not a relative path."""
-    return bool(_HUB_ID.match(name)) and not name.startswith((".", "~"))
+    """Whether ``name`` reads as a hub id (``org/name``), not a relative path: a name whose
+    first part is a local folder (``runs/ckpts`` beside ``runs/``) is a path."""
+    return (
+        bool(_HUB_ID.match(name))
+        and not name.startswith((".", "~"))
+        and not Path(name.split("/")[0]).is_dir()
+    )
+
+
+def check_model_folder(folder: Path, *, tokenizer: bool = True) -> None:
+    """Refuse, with the fix, a local model folder that would fail deep inside a loader:
+    no or damaged ``config.json``, weights only as pickle (which can run code), truncated
+    safetensors, or (``tokenizer=True``) no tokenizer files."""
+    config = folder / "config.json"
+    if not config.is_file():
+        raise MissingFileError(f"{folder} is a folder but has no config.json; not an HF model.")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise CorruptFileError(
+            f"{config} is not valid JSON ({err}); restore the model folder."
+        ) from None
+    weights = _safetensors_files(folder)
+    if not weights:
+        pickled = sorted(f.name for f in folder.iterdir() if f.suffix in _PICKLE_SUFFIXES)
+        if pickled:
+            raise UsageError(
+                f"{folder} holds its weights only as {pickled[0]}, a pickle file that can run "
+                "code when loaded; tangentlens reads safetensors only: convert it where you "
+                "trust it (model.save_pretrained(folder, safe_serialization=True))."
+            )
+        raise MissingFileError(
+            f"{folder} has no model.safetensors: not a complete HF model folder; save the "
+            "model into it with save_pretrained."
+        )
+    for f in weights:
+        check_safetensors(f)
+    if tokenizer and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise MissingFileError(
+            f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); save the "
+            "model's tokenizer into it with tokenizer.save_pretrained(folder)."
+        )
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The safetensors weight files of a model folder (one file, or the shards an index
+    names); a damaged index or a missing shard is a `CorruptFileError`."""
+    single = folder / "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if not index.is_file():
+        return []
+    try:
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CorruptFileError(f"{index} is damaged ({err}); restore the model folder.") from None
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise CorruptFileError(
+            f"{index} names {missing[0]}, which is missing; restore the model folder."
+        )
+    return [folder / n for n in names]
 
 
 def _unknown_name(name: str) -> UsageError:
@@ -244,11 +312,12 @@ def model_folder(name: str) -> Path | str:
         return smollm2_folder() if name == "smollm2-135m" else minilm_folder()
     path = Path(name).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise MissingFileError(f"{path} is a folder but has no config.json; not an HF model.")
+        check_model_folder(path)
         return path
     if is_hub_id(name):
         return name
+    if path.parent != Path(".") and path.parent.is_dir():
+        raise MissingFileError(f"model folder {path} does not exist; check the path.")
     raise _unknown_name(name)
 
 

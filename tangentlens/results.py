@@ -15,6 +15,7 @@ hook          str       full TransformerLens hook name (``blocks.3.hook_resid_pr
 site          str       the site kind (``resid_pre``, ``attn_in``, ...)
 layer         Int64     block index (0 for ``hook_embed``)
 head          Int64     attention head, <NA> elsewhere
+component     str       linear probes: ``full``, ``tangent`` or ``normal`` part
 statistic     str       e.g. ``tangent_share``, ``energy_ratio``, ``p_value``
 value         float64   the number
 ci_low        float64   lower end of its 95 % interval over tokens, where there is one
@@ -52,13 +53,14 @@ COLUMNS = (
     "site",
     "layer",
     "head",
+    "component",
     "statistic",
     "value",
     "ci_low",
     "ci_high",
 )
 CORE = ("probe", "hook", "site", "layer", "head", "statistic", "value")
-_TEXT = ("checkpoint", "window", "probe", "hook", "site", "statistic")
+_TEXT = ("checkpoint", "window", "probe", "hook", "site", "component", "statistic")
 _INT = ("step", "rank", "layer", "head")
 _FLOAT = ("value", "ci_low", "ci_high")
 RESULTS_CSV = "results.csv"

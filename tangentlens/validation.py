@@ -6,6 +6,7 @@ Integers are Python or numpy integers, never booleans; every failure is a
 
 from __future__ import annotations
 
+import codecs
 import numbers
 from typing import Any
 
@@ -16,6 +17,7 @@ __all__ = [
     "CONTROLS",
     "check_backend",
     "check_controls",
+    "check_encoding",
     "check_int",
     "check_rank",
     "is_int",
@@ -47,6 +49,19 @@ def check_controls(controls: Any) -> str:
     if controls not in CONTROLS:
         raise UsageError(f"controls must be one of {CONTROLS}; got {controls!r}.")
     return str(controls)
+
+
+def check_encoding(encoding: Any, name: str = "encoding") -> str:
+    """A text encoding Python knows (``utf-8``, ``latin-1``, ...), checked before any file
+    is read, so a typo fails at once even when the default corpus needs no decoding."""
+    try:
+        codecs.lookup(encoding)
+    except (LookupError, TypeError):
+        raise UsageError(
+            f"{name} {encoding!r} is not a text encoding Python knows; use e.g. utf-8 or "
+            "latin-1."
+        ) from None
+    return str(encoding)
 
 
 def check_backend(backend: Any) -> str:

@@ -30,6 +30,7 @@ FLOORS = {
     "probes": 5,
     "interventions": 6,
     "depth": 6,
+    "layerwise": 6,
     "embedding_geometry": 6,
     "corpus": 7,
     "models": 7,

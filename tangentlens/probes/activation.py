@@ -24,29 +24,47 @@ __all__ = ["ActivationProbe", "Reservoir"]
 
 
 class Reservoir:
-    """A uniform sample of at most ``size`` rows from a stream (algorithm R)."""
+    """A uniform sample of at most ``size`` rows from a stream (algorithm R), with
+    optional integer ``tags`` per row (a label, the sequence it came from) kept aligned."""
 
     def __init__(self, size: int, seed: int = 0) -> None:
         self.size = check_int(size, "reservoir size", minimum=1)
         self.seen = 0
         self._rng = np.random.Generator(np.random.PCG64(seed))
         self._rows: Tensor | None = None
+        self._tags: Tensor | None = None
 
     @torch.no_grad()
-    def update(self, x: Tensor, mask: Tensor | None = None) -> Reservoir:
+    def update(
+        self, x: Tensor, mask: Tensor | None = None, tags: Tensor | None = None
+    ) -> Reservoir:
+        """Offer the rows of ``x`` ``(..., d)`` kept by ``mask``; ``tags`` ``(..., m)``
+        int64 travel with their rows."""
+        if tags is not None and tuple(tags.shape[:-1]) != tuple(x.shape[:-1]):
+            raise UsageError(
+                f"tags must be x.shape[:-1] + (m,) = {tuple(x.shape[:-1])} + (m,); "
+                f"got {tuple(tags.shape)}."
+            )
         if mask is not None:
-            x = x[mask.to(x.device).bool()]
+            keep = mask.to(x.device).bool()
+            x = x[keep]
+            tags = None if tags is None else tags.to(keep.device)[keep]
         rows = x.detach().reshape(-1, x.shape[-1]).to("cpu", torch.float32)
         n = rows.shape[0]
         if n == 0:
             return self
         if self._rows is None:
             self._rows = torch.empty(self.size, rows.shape[1], dtype=torch.float32)
+            if tags is not None:
+                self._tags = torch.empty(self.size, tags.shape[-1], dtype=torch.int64)
+        flat_tags = None if tags is None else tags.reshape(n, -1).to("cpu", torch.int64)
         t = self.seen + np.arange(n)  # global index of each row
         slot = np.floor(self._rng.random(n) * (t + 1)).astype(np.int64)
         slot[t < self.size] = t[t < self.size]
         for i in np.flatnonzero(slot < self.size):  # later rows overwrite earlier ones
             self._rows[slot[i]] = rows[i]
+            if self._tags is not None and flat_tags is not None:
+                self._tags[slot[i]] = flat_tags[i]
         self.seen += n
         return self
 
@@ -55,6 +73,12 @@ class Reservoir:
         if self._rows is None:
             raise UsageError("the reservoir is empty; run some tokens through the model first.")
         return self._rows[: min(self.size, self.seen)].clone()
+
+    def tags(self) -> Tensor:
+        """The sampled rows' tags, ``(min(size, seen), m)`` int64."""
+        if self._tags is None:
+            raise UsageError("this reservoir was fed without tags.")
+        return self._tags[: min(self.size, self.seen)].clone()
 
 
 class ActivationProbe(Probe):

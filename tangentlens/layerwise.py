@@ -1,0 +1,209 @@
+"""Layerwise linear probes: which layers carry a label, and in which subspace.
+
+>>> table = layerwise_probe(model, batches, bases, "position")
+>>> plot_layerwise(table)
+
+Per layer, a bounded seeded sample of tokens (a reservoir of ``tokens_per_layer`` rows per
+site) is split into its tangent and normal parts with the site's basis (`TangentBasis.split`,
+so tangent + normal == full), and a scikit-learn logistic regression is fitted on each of
+``full``, ``tangent`` and ``normal`` with cross-validation over *sequences* (`GroupKFold`:
+tokens of one sequence never sit on both sides of a split). The accuracy is the mean over
+folds with a t interval over the folds; ``chance_accuracy`` is the majority-class rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+from scipy import stats
+from sklearn.linear_model import LogisticRegression
+from sklearn.model_selection import GroupKFold
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+from torch import Tensor
+
+from . import results
+from .errors import UsageError
+from .hooks.base import get_backend
+from .hooks.sites import Site
+from .probes.activation import Reservoir
+from .probes.base import Observation, Probe
+from .probes.bases import as_bases
+from .probes.driver import run, unpack_batch
+from .subspace import TangentBasis
+from .validation import check_int
+
+__all__ = ["COMPONENTS", "LABELS", "layerwise_probe", "plot_layerwise"]
+
+COMPONENTS = ("full", "tangent", "normal")
+LABELS = ("position", "frequency")
+Labels = str | Sequence[Tensor] | Callable[[Tensor], Tensor]
+
+
+class _LabelledSample(Probe):
+    """A reservoir of (activation, label, sequence) rows per site; not mergeable."""
+
+    name = "linear_sample"
+
+    def __init__(self, sites: list[Site], size: int, labels: list[Tensor], seed: int) -> None:
+        super().__init__()
+        self.reservoirs = {s: Reservoir(size, seed=seed + i) for i, s in enumerate(sites)}
+        self.labels = labels
+        self.first_sequence = np.cumsum([0] + [int(lab.shape[0]) for lab in labels])
+
+    @property
+    def forward_sites(self) -> list[Site]:
+        return list(self.reservoirs)
+
+    def update(self, obs: Observation) -> None:
+        labels = self.labels[obs.group]
+        batch, pos = labels.shape
+        sequence = self.first_sequence[obs.group] + torch.arange(batch)[:, None].expand(batch, pos)
+        tags = torch.stack([labels, sequence], -1).to(obs.tensor.device)
+        self.reservoirs[obs.site].update(obs.tensor, obs.mask, tags)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return []
+
+
+def _label_tensors(labels: Labels, ids: list[Tensor]) -> list[Tensor]:
+    """One ``(batch, pos)`` int64 label tensor per batch."""
+    if isinstance(labels, str):
+        if labels == "position":  # four buckets of equal width over the positions
+            return [
+                (torch.arange(x.shape[1]) * 4 // x.shape[1]).expand(x.shape).clone() for x in ids
+            ]
+        if labels == "frequency":  # quartiles of each token's frequency in these batches
+            flat = torch.cat([x.reshape(-1) for x in ids])
+            counts = torch.bincount(flat)[flat].double()
+            edges = torch.quantile(counts, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+            out = []
+            for x in ids:
+                c = torch.bincount(flat, minlength=int(x.max()) + 1)[x].double()
+                out.append(torch.bucketize(c, edges))
+            return out
+        raise UsageError(f"built-in labels are {LABELS}; got {labels!r}.")
+    made = [labels(x) for x in ids] if callable(labels) else list(labels)
+    if len(made) != len(ids):
+        raise UsageError(f"labels has {len(made)} tensors for {len(ids)} batches; align them.")
+    out = []
+    for lab, x in zip(made, ids, strict=True):
+        lab = torch.as_tensor(lab)
+        if tuple(lab.shape) != tuple(x.shape) or lab.dtype.is_floating_point:
+            raise UsageError(
+                f"each label tensor must be integer (batch, pos) = {tuple(x.shape)}; "
+                f"got {tuple(lab.shape)} {lab.dtype}."
+            )
+        out.append(lab.long())
+    return out
+
+
+def _cross_validated(
+    x: np.ndarray, y: np.ndarray, groups: np.ndarray, n_folds: int, seed: int
+) -> tuple[float, float, float]:
+    """Mean accuracy over folds of whole sequences, with a t interval over the folds."""
+    folds = GroupKFold(n_splits=n_folds)
+    scores = []
+    for train, test in folds.split(x, y, groups):
+        if len(np.unique(y[train])) < 2:
+            scores.append(float(np.mean(y[test] == y[train][0])))
+            continue
+        model = make_pipeline(
+            StandardScaler(), LogisticRegression(max_iter=2000, random_state=seed)
+        )
+        model.fit(x[train], y[train])
+        scores.append(float(model.score(x[test], y[test])))
+    mean = float(np.mean(scores))
+    half = float(
+        stats.t.ppf(0.975, len(scores) - 1) * np.std(scores, ddof=1) / math.sqrt(len(scores))
+    )
+    return mean, mean - half, mean + half
+
+
+def layerwise_probe(
+    model: Any,
+    batches: Iterable[Any],
+    bases: Mapping[str | Site, TangentBasis],
+    labels: Labels,
+    *,
+    layers: Iterable[int] | None = None,
+    site: str = "resid_pre",
+    tokens_per_layer: int = 4096,
+    n_folds: int = 5,
+    seed: int = 0,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Fit linear probes for ``labels`` on the full activation, its tangent part and its
+    normal part at ``site`` of every layer that has a basis (or of ``layers``).
+
+    ``labels``: ``"position"`` (four position buckets), ``"frequency"`` (quartiles of the
+    token frequency in these batches), a callable on token ids ``(batch, pos) -> labels``
+    or a list of integer ``(batch, pos)`` tensors aligned with ``batches``. Returns the
+    results table: ``probe="linear"``, ``hook``, ``layer``, ``component`` in
+    {full, tangent, normal}, statistic ``accuracy`` (with ``ci_low``/``ci_high``) and
+    ``chance_accuracy``. Memory: ``tokens_per_layer × d`` floats per layer.
+    """
+    batches = list(batches)
+    ids = [unpack_batch(b)[0] for b in batches]
+    label_list = _label_tensors(labels, ids)
+    n_folds = check_int(n_folds, "n_folds", minimum=2)
+    size = check_int(tokens_per_layer, "tokens_per_layer", minimum=2 * n_folds)
+    backend = get_backend(model)
+    by_site = as_bases(bases)
+    wanted = range(backend.n_layers) if layers is None else layers
+    sites = [Site(layer, site) for layer in wanted if Site(layer, site) in by_site]
+    if not sites:
+        raise UsageError(
+            f"no basis at {site} for layers {list(wanted)}; fit them with "
+            f"fit_bases(model, batches, rank=k, sites=lambda n: n.endswith('hook_{site}'))."
+        )
+    if sum(b.shape[0] for b in ids) < n_folds:
+        raise UsageError(f"{n_folds} folds over sequences need at least {n_folds} sequences.")
+    sample = _LabelledSample(sites, size, label_list, seed)
+    run(model, batches, None, (sample,), progress=progress)
+    rows = []
+    for s in sites:
+        reservoir = sample.reservoirs[s]
+        x, tags = reservoir.sample().double(), reservoir.tags().numpy()
+        y, groups = tags[:, 0], tags[:, 1]
+        tangent, normal = by_site[s].split(x)
+        parts = {"full": x, "tangent": tangent, "normal": normal}
+        chance = float(np.bincount(y).max() / len(y))
+        base = {"probe": "linear", "hook": s.hook_name, "site": s.kind, "layer": s.layer}
+        rows.append({**base, "component": "full", "statistic": "chance_accuracy", "value": chance})
+        for name in COMPONENTS:
+            mean, low, high = _cross_validated(parts[name].numpy(), y, groups, n_folds, seed)
+            rows.append(
+                {**base, "component": name, "statistic": "accuracy", "value": mean,
+                 "ci_low": low, "ci_high": high}
+            )  # fmt: skip
+    return results.frame(rows)
+
+
+def plot_layerwise(table: pd.DataFrame, ax: Any = None) -> Figure:
+    """Accuracy by layer for each component, with its interval, and the chance level."""
+    fig = None
+    if ax is None:
+        fig = Figure(figsize=(6.0, 3.6), dpi=100, layout="constrained")
+        ax = fig.subplots()
+    acc = results.select(table, probe="linear", statistic="accuracy")
+    if acc.empty:
+        raise UsageError("the table has no linear-probe rows; pass layerwise_probe's result.")
+    for colour, name in zip(("#000000", "#0072B2", "#E69F00"), COMPONENTS, strict=True):
+        rows = acc[acc["component"] == name].sort_values("layer")
+        layers = rows["layer"].astype(float).to_numpy()
+        ax.plot(layers, rows["value"], "o-", color=colour, ms=4, label=name)
+        ax.fill_between(layers, rows["ci_low"], rows["ci_high"], color=colour, alpha=0.15, lw=0)
+    chance = results.select(table, probe="linear", statistic="chance_accuracy")
+    if len(chance):
+        ax.axhline(float(chance["value"].mean()), color="gray", ls="--", lw=1, label="chance")
+    ax.set(xlabel="layer", ylabel="accuracy (CV over sequences)", ylim=(0, 1.02))
+    ax.set_xticks(sorted(acc["layer"].astype(int).unique()))
+    ax.legend(fontsize=8, frameon=False)
+    return fig if fig is not None else ax.figure

@@ -1,0 +1,50 @@
+"""Layerwise linear probes: a planted decodable label, the exact split, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import tl_bridge
+
+from tangentlens.errors import UsageError
+from tangentlens.layerwise import layerwise_probe, plot_layerwise
+from tangentlens.probes import fit_bases
+
+
+def _batches(n: int = 12, pos: int = 16) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    vocab = torch.arange(2, 18)  # 16 distinct tokens in d_model=32: linearly separable
+    return [vocab[torch.randint(0, 16, (4, pos), generator=gen)] for _ in range(n)]
+
+
+def test_a_label_decodable_from_the_embedding_is_found_at_layer_0(one_thread) -> None:
+    model = tl_bridge("llama")
+    batches = _batches()
+    bases = fit_bases(model, batches[:4], rank=4, progress=False)
+    parity = [b % 2 for b in batches]  # a property of the token: lives in the embedding
+    table = layerwise_probe(model, batches, bases, parity, tokens_per_layer=600, progress=False)
+    acc = table[table["statistic"] == "accuracy"]
+    full0 = acc[(acc["layer"] == 0) & (acc["component"] == "full")]
+    assert float(full0["value"].iloc[0]) >= 0.9
+    assert set(acc["component"]) == {"full", "tangent", "normal"}
+    assert (acc["ci_low"] <= acc["value"]).all() and (acc["value"] <= acc["ci_high"]).all()
+    chance = table[table["statistic"] == "chance_accuracy"]["value"]
+    assert ((chance > 0.4) & (chance < 0.6)).all()  # parity of 16 tokens: about half
+    assert set(table["hook"]) <= {f"blocks.{layer}.hook_resid_pre" for layer in range(2)}
+    assert plot_layerwise(table).axes
+
+
+def test_built_in_labels_and_bad_input(one_thread) -> None:
+    model = tl_bridge("gpt2")
+    batches = _batches(6)
+    bases = fit_bases(model, batches[:2], rank=4, progress=False)
+    table = layerwise_probe(
+        model, batches, bases, "position", tokens_per_layer=300, n_folds=3, progress=False
+    )
+    assert len(table[table["statistic"] == "accuracy"]) == 3 * 2
+    with pytest.raises(UsageError, match="built-in labels"):
+        layerwise_probe(model, batches, bases, "colour", progress=False)
+    with pytest.raises(UsageError, match="labels has 1 tensors for 6 batches"):
+        layerwise_probe(model, batches, bases, [batches[0]], progress=False)
+    with pytest.raises(UsageError, match="no basis at resid_mid"):
+        layerwise_probe(model, batches, bases, "position", site="resid_mid", layers=[5])
