@@ -240,6 +240,17 @@ class TangentBasis:
             ) from err
         return cls.from_tensors(tensors, info)
 
+    def diagnostics(self) -> dict[str, float]:
+        """How much to trust this basis: ``eigengap`` (λ_k/λ_{k+1}), ``chance_overlap``
+        (k/d) and, when the fit recorded it in ``provenance``, ``split_half_overlap``."""
+        out = {
+            "eigengap": math.nan if self.eigengap_ is None else float(self.eigengap_),
+            "chance_overlap": chance_overlap(self.k, self.d),
+        }
+        if "split_half_overlap" in self.provenance:
+            out["split_half_overlap"] = float(self.provenance["split_half_overlap"])
+        return out
+
     def __repr__(self) -> str:
         return f"TangentBasis(d={self.d}, k={self.k})"
 

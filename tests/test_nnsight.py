@@ -174,7 +174,7 @@ def test_results_table_agrees_with_transformer_lens(arch: str) -> None:
     opts = {"loss": _loss, "progress": False, "n_controls": 20}
     table_tl = run(tl, batches, bases, PROBES, **opts).results()
     table_nn = run(nn_model, batches, bases, PROBES, **opts).results()
-    assert set(table_nn["probe"]) == set(PROBES)
+    assert set(table_nn["probe"]) == {*PROBES, "basis"}  # basis: diagnostics of the bases
     rows, err = _compare(table_tl, table_nn)
     print(f"\n{arch}: {rows} rows agree, max diff {err:.1e}")
     assert rows > 60
@@ -319,7 +319,7 @@ def test_minilm_backends_agree() -> None:
     opts = {"loss": _sentence_loss, "progress": False, "n_controls": 20, "layers": layers}
     table_tl = run(tl, batches, bases, PROBES, **opts).results()
     table_nn = run(nn_model, batches, bases, PROBES, **opts).results()
-    assert set(table_nn["probe"]) == set(PROBES)
+    assert set(table_nn["probe"]) == {*PROBES, "basis"}  # basis: diagnostics of the bases
     rows, err = _compare(table_tl, table_nn, rtol=1e-4, atol=1e-5)
     print(f"\nMiniLM-L6: {rows} rows agree, max diff {err:.1e}")
 

@@ -8,6 +8,7 @@ the parameters' ``.grad`` stay as the caller's code leaves them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -15,11 +16,12 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..errors import UsageError
+from ..errors import UnstableBasisWarning, UsageError
 from ..files import tensor_hash
 from ..hooks.base import get_backend
 from ..hooks.sites import INPUT_KINDS, RESIDUAL_KINDS, NamesFilter, Site
-from ..subspace import TangentBasis
+from ..stats import Moments
+from ..subspace import TangentBasis, near_chance, split_half_overlap
 from ..version import __version__
 from .bases import BasisSet
 from .session import ProbeSession
@@ -145,7 +147,9 @@ def fit_bases(
 
     ``rank=k`` or ``variance=0.9`` (see `TangentBasis.fit`). ``sites`` is a names filter
     (default: ``resid_pre``, ``resid_mid``, ``resid_post``, ``attn_in`` and ``mlp_in`` of
-    every layer). The returned `BasisSet` keeps the Moments in ``.moments``.
+    every layer). The returned `BasisSet` keeps the Moments in ``.moments``; each basis
+    records ``split_half_overlap`` (bases fitted on the even and on the odd batches) in its
+    provenance, and an `UnstableBasisWarning` names the sites where that is near chance.
     """
     if (rank is None) == (variance is None):
         raise UsageError("pass exactly one of rank= (an int) or variance= (a fraction in (0, 1]).")
@@ -155,10 +159,19 @@ def fit_bases(
         return Site.from_hook_name(name).kind in (*RESIDUAL_KINDS, *INPUT_KINDS)
 
     sites = default_sites if sites is None else sites
-    session = run(
-        model, batches, None, ("activation",), layers=layers, sites=sites, progress=progress
-    )
-    moments = session.activation.moments
+    batches = list(batches)
+    # even and odd batches apart: two bases fitted on disjoint halves of the sequences
+    # tell how stable Q_T is (split_half_overlap); the fit uses both
+    halves = [
+        run(
+            model, part, None, ("activation",), layers=layers, sites=sites, progress=progress
+        ).activation.moments
+        for part in (batches[0::2], batches[1::2])
+        if part
+    ]
+    moments = {s: Moments().merge(m) for s, m in halves[0].items()}
+    for s, m in (halves[1] if len(halves) > 1 else {}).items():
+        moments[s].merge(m)
     empty = [s.hook_name for s, m in moments.items() if m.count < 2]
     if empty:
         raise UsageError(
@@ -176,10 +189,25 @@ def fit_bases(
         "library": f"tangentlens {__version__}",
         **(provenance or {}),
     }
-    bases = {
-        s: TangentBasis.fit(m, rank, variance=variance, provenance={"site": s.hook_name, **info})
-        for s, m in moments.items()
-    }
+    bases = {}
+    unstable = []
+    for s, m in moments.items():
+        basis = TangentBasis.fit(
+            m, rank, variance=variance, provenance={"site": s.hook_name, **info}
+        )
+        if len(halves) > 1 and min(h[s].count for h in halves) >= 2:
+            split = split_half_overlap(halves[0][s], halves[1][s], basis.k)
+            basis.provenance["split_half_overlap"] = split
+            if near_chance(split, basis.k, basis.d):
+                unstable.append(f"{s.hook_name} ({split:.2f})")
+        bases[s] = basis
+    if unstable:
+        warnings.warn(
+            f"Q_T fitted on even and on odd batches barely overlaps at {unstable} (chance is "
+            "k/d): these bases are mostly sampling noise; fit them on more tokens.",
+            UnstableBasisWarning,
+            stacklevel=2,
+        )
     return BasisSet(bases, provenance=info, moments=moments)
 
 

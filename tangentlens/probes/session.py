@@ -43,7 +43,7 @@ from ..subspace import TangentBasis
 from ..validation import check_int
 from .activation import ActivationProbe
 from .attention import AttentionProbe
-from .base import Observation, Probe
+from .base import Observation, Probe, row
 from .bases import as_bases, site_order
 from .gradient import GradientProbe
 from .residual import ResidualProbe, write_basis_site
@@ -109,8 +109,9 @@ class ProbeSession:
         check_int(n_controls, "n_controls", minimum=1)
         self.n_groups = check_int(n_groups, "n_groups", minimum=2)
         self.group_of = group_of
+        self.bases = as_bases(bases)
         self.probes: dict[str, Probe] = (
-            self._plan(as_bases(bases), sites, n_controls, seed, reservoir) if names else {}
+            self._plan(self.bases, sites, n_controls, seed, reservoir) if names else {}
         )
         for p in own:
             if p.name in self.probes:
@@ -351,7 +352,18 @@ class ProbeSession:
     def results(self) -> Any:
         """The long results table (`tangentlens.results`): one row per number, ``head``
         <NA> except for per-head attention statistics."""
-        return frame([r for p in self.probes.values() for r in p.rows()])
+        rows = [r for p in self.probes.values() for r in p.rows()]
+        return frame(rows + self._basis_rows())
+
+    def _basis_rows(self) -> list[dict[str, Any]]:
+        """``probe="basis"`` rows (`TangentBasis.diagnostics`) for each basis a probe used."""
+        used = {s for p in self.probes.values() for s in p.forward_sites + p.backward_sites}
+        return [
+            row("basis", site, stat, value)
+            for site, basis in self.bases.items()
+            if site in used
+            for stat, value in basis.diagnostics().items()
+        ]
 
     def __repr__(self) -> str:
         return f"ProbeSession(probes={self.names}, layers={self.layers}, open={self._active})"

@@ -35,7 +35,6 @@ from ..significance import tangent_tests
 from ..stats import Moments
 from ..subspace import (
     TangentBasis,
-    chance_overlap,
     near_chance,
     shares,
     split_half_overlap,
@@ -173,12 +172,8 @@ def _basis_rows(rows: _Rows, bases: dict[int, dict[Site, TangentBasis]]) -> None
     unstable = []
     for k, by_site in bases.items():
         for site, basis in by_site.items():
-            split = float(basis.provenance.get("split_half_overlap", math.nan))
-            values = {
-                "eigengap": basis.eigengap_,
-                "split_half_overlap": split,
-                "chance_overlap": chance_overlap(basis.k, basis.d),
-            }
+            values = basis.diagnostics()
+            split = values.get("split_half_overlap", math.nan)
             rows.add("basis", values, rank=k, site=site)
             if math.isfinite(split) and near_chance(split, basis.k, basis.d):
                 unstable.append(f"{site.hook_name} (rank {k}: {split:.2f})")
