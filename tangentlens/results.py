@@ -5,6 +5,7 @@ Columns, in this order (the core seven are always there; the others when they ap
 ============  ========  ===========================================================
 column        dtype     meaning
 ============  ========  ===========================================================
+tag           str       a session's label (`ProbeSession.tag`)
 checkpoint    str       study: checkpoint name (``step{N}``)
 step          Int64     study: training step
 window        str       study: ``early``, ``middle`` or ``late``
@@ -44,6 +45,7 @@ from .files import write_text
 __all__ = ["COLUMNS", "CORE", "frame", "read", "select", "write"]
 
 COLUMNS = (
+    "tag",
     "checkpoint",
     "step",
     "window",
@@ -60,7 +62,7 @@ COLUMNS = (
     "ci_high",
 )
 CORE = ("probe", "hook", "site", "layer", "head", "statistic", "value")
-_TEXT = ("checkpoint", "window", "probe", "hook", "site", "component", "statistic")
+_TEXT = ("tag", "checkpoint", "window", "probe", "hook", "site", "component", "statistic")
 _INT = ("step", "rank", "layer", "head")
 _FLOAT = ("value", "ci_low", "ci_high")
 RESULTS_CSV = "results.csv"

@@ -280,7 +280,7 @@ def test_layers_and_sites_restrict_the_probes(fitted: dict) -> None:
     model, bases = tl_bridge("gpt2"), fitted["gpt2"]
     probes = ("residual", "attention", "gradient")
     frame = run(model, [tokens("gpt2")], bases, probes, layers=1, **OPTS).results()
-    assert set(frame["layer"]) == {1} and set(frame["probe"]) == set(probes)
+    assert set(frame["layer"]) == {1} and set(frame["probe"]) == {*probes, "basis"}
     only = run(
         model, [tokens("gpt2")], bases, ("residual",), sites="blocks.0.hook_resid_post", **OPTS
     ).results()

@@ -72,6 +72,15 @@ class _TLHandle:
         self._direction = direction
         self._lens_handle = lens_handle
 
+    @property
+    def alive(self) -> bool:
+        """False once the hook is gone, also when something else removed it (a user's
+        ``model.reset_hooks()``): the session reports that instead of going silent."""
+        if self._lens_handle is None:
+            return False
+        attr = "fwd_hooks" if self._direction == "fwd" else "bwd_hooks"
+        return any(h is self._lens_handle for h in getattr(self._hook_point, attr))
+
     def remove(self) -> None:
         if self._lens_handle is None:
             return

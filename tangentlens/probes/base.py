@@ -141,6 +141,11 @@ class Probe:
         output require grad (frozen models) and `run` takes gradients."""
         return bool(self.backward_sites)
 
+    def saw_backward(self) -> bool:
+        """Whether a backward pass reached this probe through its own hooks (`attach`);
+        the session counts those through its sites itself."""
+        return False
+
     def attach(self, backend: Backend) -> list[Handle]:
         """Hooks of the probe's own, beyond its sites; the session removes every one in
         ``finally``, with its own hooks. Default: none."""

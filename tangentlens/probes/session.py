@@ -125,6 +125,10 @@ class ProbeSession:
         self._group = 0  # the group of the current pass's sequences (for intervals)
         self._cache = SharedBatch()
         self._active = False
+        self._seen = {"forward": 0, "backward": 0}
+        self._hooks_lost = False
+        self._tag: tuple[str | None, int | None] = (None, None)
+        self._saved: dict[tuple[str | None, int | None], dict[str, dict[str, Tensor]]] = {}
 
     # .................................................................. planning
     def _plan(
@@ -269,6 +273,7 @@ class ProbeSession:
 
     def _detach(self) -> None:
         handles, self._handles = self._handles, []
+        self._hooks_lost |= _lost(handles)
         self._active = False
         errors = []
         for handle in reversed(handles):
@@ -301,6 +306,7 @@ class ProbeSession:
         self, site: Site, readers: list[Probe], track_grad: bool
     ) -> Callable[[Tensor], None]:
         def hook(x: Tensor) -> None:
+            self._seen["forward"] += 1
             mask = self._mask_for(site, x)
             obs = Observation(site, x, mask, self._cache, self._group)
             with torch.no_grad():
@@ -315,6 +321,9 @@ class ProbeSession:
 
     def _backward_hook(self, site: Site, readers: list[Probe]) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
+            if not self._active:  # a backward after the block: not part of this session
+                return
+            self._seen["backward"] += 1
             pending = self._pending[site]
             mask, group = pending.pop() if pending else (None, self._group)
             if mask is not None and tuple(mask.shape) != tuple(grad.shape[:-1]):
@@ -349,11 +358,77 @@ class ProbeSession:
             return {}
         return {s.hook_name: m for s, m in self.gradient.moments().items()}
 
-    def results(self) -> Any:
+    # .................................................................. tags
+    def tag(self, label: str | None = None, *, step: int | None = None) -> ProbeSession:
+        """Statistics from here on belong to ``label`` and/or training ``step`` (rows carry
+        them in the ``tag`` and ``step`` columns), e.g. once per step of a training loop;
+        coming back to an earlier tag continues its statistics. Returns the session."""
+        if step is not None:
+            step = check_int(step, "step", minimum=0)
+        key = (None if label is None else str(label), step)
+        if key != self._tag:
+            self._saved[self._tag] = self._state()
+            self._load(self._saved.pop(key, None))
+            self._tag = key
+        return self
+
+    def reset(self) -> ProbeSession:
+        """Forget every statistic and tag (the hooks stay); returns the session."""
+        self._saved.clear()
+        self._load(None)
+        self._tag = (None, None)
+        self._seen = {"forward": 0, "backward": 0}
+        return self
+
+    def _state(self) -> dict[str, dict[str, Tensor]]:
+        return {name: p.state_dict() for name, p in self.probes.items()}
+
+    def _load(self, state: dict[str, dict[str, Tensor]] | None) -> None:
+        for name, p in self.probes.items():
+            if state is None:
+                p.reset()
+            else:
+                p.load_state_dict(state[name])
+
+    def results(self, *, tag: str | None = None, step: int | None = None) -> Any:
         """The long results table (`tangentlens.results`): one row per number, ``head``
-        <NA> except for per-head attention statistics."""
-        rows = [r for p in self.probes.values() for r in p.rows()]
+        <NA> except for per-head attention statistics; with tags, one block of rows per
+        tag (``tag=`` / ``step=`` select one). Raises `UsageError` when the session saw no
+        forward pass, no backward pass where gradients were asked, or lost its hooks."""
+        self._check_seen()
+        current = self._state()
+        tags = {**self._saved, self._tag: current}
+        rows: list[dict[str, Any]] = []
+        try:
+            for (label, at), state in tags.items():
+                if (tag is not None and label != tag) or (step is not None and at != step):
+                    continue
+                self._load(state)
+                extra = {k: v for k, v in (("tag", label), ("step", at)) if v is not None}
+                rows += [{**r, **extra} for p in self.probes.values() for r in p.rows()]
+        finally:
+            self._load(current)
         return frame(rows + self._basis_rows())
+
+    def _check_seen(self) -> None:
+        if self._hooks_lost or (self._active and _lost(self._handles)):
+            raise UsageError(
+                "the probe session's hooks were removed while it was open (model.reset_hooks() "
+                "inside `with probe(...)`?); its statistics stopped there. Drop that call, or "
+                "reset your own hooks with model.hooks(...) contexts instead."
+            )
+        if self._passes < 0 or self._seen["forward"] == 0:
+            raise UsageError(
+                "the probe session saw no forward pass: run the model inside "
+                "`with probe(model, bases) as session:` (or use tangentlens.probes.run)."
+            )
+        readers = [p for p in self.probes.values() if p.reads_backward]
+        if readers and not self._seen["backward"] and not any(p.saw_backward() for p in readers):
+            raise UsageError(
+                "the gradient probes saw no backward pass: call loss.backward() inside the "
+                "`with probe(...)` block (or use tangentlens.probes.run), or drop the "
+                "gradient probes."
+            )
 
     def _basis_rows(self) -> list[dict[str, Any]]:
         """``probe="basis"`` rows (`TangentBasis.diagnostics`) for each basis a probe used."""
@@ -384,3 +459,8 @@ def probe(
     ``seed`` for the gradient tests, ``reservoir`` (activation sample size per site).
     """
     return ProbeSession(model, bases, probes, layers, **options)
+
+
+def _lost(handles: Sequence[Handle]) -> bool:
+    """Whether something else removed one of these hooks (TransformerLens reset_hooks)."""
+    return any(getattr(h, "alive", True) is False for h in handles)

@@ -131,6 +131,9 @@ class WeightGradientProbe(Probe):
             if counts_pass:
                 self.state(f"passes/{site.hook_name}").add(torch.ones((), device=g.device))
 
+    def saw_backward(self) -> bool:
+        return any(float(self.state(f"passes/{s.hook_name}").value) > 0 for s in self.bases)
+
     def update(self, obs: Observation) -> None:
         self._masks[obs.site] = obs.mask  # the maps that read the site run next
         self.state(f"act/{obs.site.hook_name}").add_batch(*obs.statistics())
