@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import list_repo_refs
-from safetensors import safe_open
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 from . import models
 from .errors import CorruptFileError, MissingFileError, UsageError
-from .files import tensor_hash
-from .models import quiet_transformers
+from .files import check_safetensors, tensor_hash
+from .models import TOKENIZER_FILES, check_model_folder, quiet_transformers
 
 __all__ = [
     "Checkpoint",
@@ -43,7 +43,6 @@ __all__ = [
 METADATA_FILE = "tangentlens.json"
 _STEP_NAMES = (re.compile(r"^step[-_]?(\d+)$"), re.compile(r"^checkpoint[-_](\d+)$"))
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 Loader = Callable[["Checkpoint"], tuple[Any, Any]]
 
@@ -104,7 +103,8 @@ class LoadedCheckpoint:
 
 
 def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
-    """Parameter shapes from safetensors headers (no weights read), or None if unknown."""
+    """Parameter shapes from safetensors headers (no weights read; each file checked whole),
+    or None if unknown."""
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file():
@@ -116,14 +116,10 @@ def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
         return None
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():  # noqa: SIM118
-                    shapes[name] = tuple(fh.get_slice(name).get_shape())
-        except Exception as err:  # safetensors raises its own error types
-            raise CorruptFileError(
-                f"{f} is corrupt or truncated ({err}); delete that checkpoint."
-            ) from err
+        header = check_safetensors(f)
+        for name, info in header.items():
+            if name != "__metadata__":
+                shapes[name] = tuple(info["shape"])
     return shapes
 
 
@@ -138,17 +134,27 @@ def _shape_mismatch(a: dict[str, tuple[int, ...]], b: dict[str, tuple[int, ...]]
 
 
 def _hf_loader(checkpoint: Checkpoint) -> tuple[Any, Any]:
-    """Load an HF causal LM and its tokenizer (local folder, or hub id + revision)."""
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(
-            checkpoint.source, revision=checkpoint.revision
-        )
+    """Load an HF language model and its tokenizer (local folder, or hub id + revision):
+    a masked LM (``config.architectures`` ``...ForMaskedLM``, e.g. a ``train`` run with
+    ``objective="masked"``) with its MLM head, anything else as a causal LM."""
+    source, revision = checkpoint.source, checkpoint.revision
+    try:
+        with quiet_transformers():
+            config = AutoConfig.from_pretrained(source, revision=revision)
+            names = getattr(config, "architectures", None) or []
+            masked = any(n.endswith("ForMaskedLM") for n in names)
+            auto = AutoModelForMaskedLM if masked else AutoModelForCausalLM
+            model = auto.from_pretrained(source, revision=revision, config=config)
+    except SafetensorError as err:
+        raise CorruptFileError(
+            f"the weights of {checkpoint.source} are damaged ({err}); restore that checkpoint."
+        ) from err
     model.eval()
     tokenizer = None
     if checkpoint.is_local:
         folder = Path(checkpoint.source)
         for candidate in (folder, folder.parent):
-            if any((candidate / f).is_file() for f in _TOKENIZER_FILES):
+            if any((candidate / f).is_file() for f in TOKENIZER_FILES):
                 tokenizer = AutoTokenizer.from_pretrained(candidate)
                 break
     else:
@@ -161,8 +167,9 @@ def _list_hub_branches(repo_id: str) -> list[str]:
         refs = list_repo_refs(repo_id)
     except Exception as err:  # offline, unknown repo, auth: all end the same way for a user
         raise UsageError(
-            f"cannot list the revisions of {repo_id!r} ({type(err).__name__}); go online, "
-            "pass steps=[...] explicitly, or use a local folder of checkpoints."
+            f"cannot list the revisions of {repo_id!r} ({type(err).__name__}); it is no local "
+            "folder either: go online, pass steps=[...] explicitly, or use a local folder of "
+            "checkpoints."
         ) from err
     return [b.name for b in refs.branches]
 
@@ -170,9 +177,10 @@ def _list_hub_branches(repo_id: str) -> list[str]:
 class CheckpointSeries:
     """Checkpoints ordered by step, loaded one at a time, hashed as they load.
 
-    ``loader(checkpoint) -> (model, tokenizer)`` is injectable (the default loads
-    HF folders or hub revisions with ``AutoModelForCausalLM``); ``tokenizer``
-    overrides the tokenizer of every checkpoint (an object or a folder).
+    ``loader(checkpoint) -> (model, tokenizer)`` is injectable (the default loads HF
+    folders or hub revisions with ``AutoModelForCausalLM``, masked LMs with
+    ``AutoModelForMaskedLM``); ``tokenizer`` overrides the tokenizer of every checkpoint
+    (an object or a folder).
     """
 
     def __init__(
@@ -225,6 +233,7 @@ class CheckpointSeries:
                     f"{sub} has no config.json or weights: an incomplete checkpoint; "
                     "delete it or finish writing it."
                 )
+            check_model_folder(sub, tokenizer=False)
             meta_path = sub / METADATA_FILE
             meta = {}
             if meta_path.is_file():
@@ -309,22 +318,38 @@ class CheckpointSeries:
         self,
         fraction: float = 0.3,
         *,
+        by: str = "step",
         early: tuple[int, int] | None = None,
         late: tuple[int, int] | None = None,
     ) -> dict[str, list[int]]:
         """Indices of the early and late windows.
 
-        By default the first and last ``ceil(fraction * n)`` checkpoints; ``early`` /
-        ``late`` given as inclusive step ranges ``(lo, hi)`` override either one.
-        Each window needs at least 2 checkpoints.
+        ``by="step"`` (default): the checkpoints in the first and in the last ``fraction``
+        of the training steps (with log-spaced early checkpoints, "early" is early in
+        training, not the first few files), and at least the two nearest each end.
+        ``by="index"``: the first and last ``ceil(fraction * n)`` checkpoints (the
+        paper's rule). ``early`` / ``late`` as
+        inclusive step ranges ``(lo, hi)`` override either one. Each window needs at
+        least 2 checkpoints.
         """
         if not 0.0 < fraction <= 0.5:
             raise UsageError(
                 f"fraction must be in (0, 0.5] so the windows do not overlap; got {fraction}."
             )
+        if by not in ("step", "index"):
+            raise UsageError(f"windows go by 'step' or 'index'; got {by!r}.")
         n = len(self)
-        k = min(math.ceil(fraction * n - 1e-9), n // 2)  # never overlapping
-        out = {"early": list(range(k)), "late": list(range(n - k, n))}
+        if by == "index":
+            k = min(math.ceil(fraction * n - 1e-9), n // 2)  # never overlapping
+            out = {"early": list(range(k)), "late": list(range(n - k, n))}
+        else:
+            first, last = self.steps[0], self.steps[-1]
+            span = fraction * (last - first)
+            early_n = sum(s <= first + span for s in self.steps)
+            late_n = sum(s >= last - span for s in self.steps)
+            # a window holds at least two checkpoints: the two nearest its end of training
+            early_n, late_n = max(early_n, min(2, n // 2)), max(late_n, min(2, n // 2))
+            out = {"early": list(range(early_n)), "late": list(range(n - late_n, n))}
         for name, rng in (("early", early), ("late", late)):
             if rng is not None:
                 lo, hi = rng
@@ -333,7 +358,7 @@ class CheckpointSeries:
         for name, idx in out.items():
             if len(idx) < 2:
                 rng = ranges[name]
-                how = f"steps {rng}" if rng is not None else f"fraction={fraction} of {n}"
+                how = f"steps {rng}" if rng is not None else f"fraction={fraction} by {by}"
                 raise UsageError(
                     f"the {name} window holds {len(idx)} checkpoint(s) ({how}); it needs at "
                     "least 2: add checkpoints, raise the fraction or widen the step range."

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import __version__
-from .errors import CorruptFileError, MissingFileError, UsageError
+from .errors import CorruptFileError, UsageError
 from .validation import BACKENDS, CONTROLS
 
 __all__ = ["build_parser", "main"]
@@ -50,6 +50,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a seed is an integer >= 0, got {text!r}")
+    return value
+
+
+def _seq_len(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 2 (one token has no next token to predict), got {text!r}"
+        )
+    return value
+
+
 def _layer(text: str) -> int:
     try:
         value = int(text)
@@ -70,6 +92,17 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _step_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        pair = (int(lo), int(hi))
+    except ValueError:
+        pair = (-1, -1)
+    if not sep or pair[0] < 0 or pair[0] > pair[1]:
+        raise argparse.ArgumentTypeError(f"a step range is LO:HI with 0 <= LO <= HI, got {text!r}")
+    return pair
+
+
 # ----------------------------------------------------------------------------- commands
 # Each command imports `tangentlens.workflows` when it runs (torch, transformers and the
 # model libraries behind it take seconds to import), so ``--help`` answers at once.
@@ -82,13 +115,14 @@ def cmd_probe(args: argparse.Namespace) -> int:
     from . import workflows
     from .report import format_summary, summary
 
-    out = workflows.writable_dir(args.out)
+    out = Path(args.out).expanduser()
     options = {k: v for k, v in vars(args).items() if k not in ("func", "quiet", "command")}
     table, page = workflows.probe_model(
         args.model,
         out,
         backend=args.backend,
         text=args.text,
+        encoding=args.encoding or "utf-8",
         rank=args.rank,
         layers=args.layers,
         tokens=args.tokens,
@@ -110,9 +144,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from . import workflows
     from .train import train
 
-    out = workflows.writable_dir(args.out)
+    out = Path(args.out).expanduser()
     config = workflows.train_config(
-        quick=args.quick, corpus=args.corpus, max_steps=args.max_steps, seed=args.seed
+        quick=args.quick,
+        corpus=args.corpus,
+        encoding=args.encoding,
+        max_steps=args.max_steps,
+        seed=args.seed,
     )
     start = time.perf_counter()
     train(config, out, progress=not args.quiet)
@@ -135,11 +173,15 @@ def cmd_study(args: argparse.Namespace) -> int:
         n_controls=args.n_controls,
         controls=args.controls,
         window_fraction=args.window_fraction,
+        windows=args.windows,
+        early=args.early,
+        late=args.late,
         n_sequences=args.sequences,
         corpus=args.corpus,
+        encoding=args.encoding,
         seed=args.seed,
     )
-    out = workflows.writable_dir(args.out)
+    out = Path(args.out).expanduser()
     start = time.perf_counter()
     table = workflows.run_study(config, out, world_size=args.world_size, progress=not args.quiet)
     _say(f"\nreport: {out / 'report.html'} ({time.perf_counter() - start:.0f} s)")
@@ -149,15 +191,9 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Re-render the report (and figures/) from a saved results folder."""
-    from .report import write_report
+    from . import workflows
 
-    folder = Path(args.dir).expanduser()
-    if not folder.is_dir():
-        raise MissingFileError(
-            f"{folder} is not a folder; pass the --out folder of `tangentlens study` or `probe`"
-        )
-    target = Path(args.out).expanduser() if args.out else folder / "report.html"
-    _say(f"report: {write_report(folder, target)}")
+    _say(f"report: {workflows.render_report(args.dir, args.out)}")
     return 0
 
 
@@ -166,7 +202,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from . import workflows
     from .report import format_summary, summary
 
-    out = workflows.writable_dir(args.out)
+    out = Path(args.out).expanduser()
     done = workflows.demo(out, quick=args.quick, progress=not args.quiet, log=_say)
     _say(f"\ntangentlens demo finished in {done.seconds:.0f} s")
     _say(f"report:  {done.report.resolve()}\nresults: {(out / 'results.csv').resolve()}")
@@ -188,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     kjv = "text file or folder of .txt files (default: the King James Bible)"
+    text = argparse.ArgumentParser(add_help=False)
+    text.add_argument(
+        "--encoding",
+        metavar="NAME",
+        help="encoding of --text/--corpus files, read strictly (utf-8); e.g. latin-1",
+    )
 
     demo = sub.add_parser(
         "demo",
@@ -202,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     probe = sub.add_parser(
         "probe",
-        parents=[common],
+        parents=[common, text],
         help="probe one checkpoint: bases, probes, tables, figures",
         description="Fit rank-k tangent bases at resid_pre and the attention input on one "
         "half of the tokens, run the residual, attention and gradient probes on the other "
@@ -228,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens probed; as many again fit the bases (%(default)s)",
     )
     probe.add_argument(
-        "--seq-len", metavar="N", type=_positive_int, default=128, help="tokens per row (128)"
+        "--seq-len", metavar="N", type=_seq_len, default=128, help="tokens per row (128)"
     )
     probe.add_argument(
         "--batch-size", metavar="N", type=_positive_int, default=8, help="rows per batch (8)"
@@ -252,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train",
-        parents=[common],
+        parents=[common, text],
         help="train the small model, save its checkpoints",
         description="Train a small Llama-style LM with a Pythia-like checkpoint schedule "
         "(step0, step1, step2, step4, ...); a rerun with the same options resumes.",
@@ -262,13 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--max-steps", metavar="N", type=_positive_int, help="training steps (default: TrainConfig)"
     )
-    train.add_argument("--seed", metavar="N", type=int, help="random seed (0)")
+    train.add_argument("--seed", metavar="N", type=_seed, help="random seed (0)")
     train.add_argument("--quick", action="store_true", help="a tiny model: seconds")
     train.set_defaults(func=cmd_train)
 
     study = sub.add_parser(
         "study",
-        parents=[common],
+        parents=[common, text],
         help="the training-dynamics study over a checkpoint series",
         description="Fit Q_T on the early-window checkpoints, test the gradients of every "
         "checkpoint against it, measure embedding geometry, write the results and "
@@ -291,12 +333,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=CONTROLS,
         help="the frames behind the summary's p-values: uniform (exact) or normal (the paper's)",
     )
+    study.add_argument("--window-fraction", metavar="F", type=_fraction, help="of the steps (0.3)")
     study.add_argument(
-        "--window-fraction", metavar="F", type=_fraction, help="of checkpoints (0.3)"
+        "--windows",
+        choices=("step", "index"),
+        help="early/late = first/last fraction of the training steps (step, default) or of "
+        "the checkpoints (index: the paper's rule)",
     )
+    study.add_argument("--early", metavar="LO:HI", type=_step_range, help="early steps")
+    study.add_argument("--late", metavar="LO:HI", type=_step_range, help="late steps")
     study.add_argument("--sequences", metavar="N", type=_positive_int, help="probe set (32)")
     study.add_argument("--corpus", metavar="FILE", help=kjv)
-    study.add_argument("--seed", metavar="N", type=int, help="random seed (0)")
+    study.add_argument("--seed", metavar="N", type=_seed, help="random seed (0)")
     study.add_argument(
         "--world-size",
         metavar="N",
@@ -314,7 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read results.csv (and manifest.json) in DIR; write report.html and figures/.",
     )
     report.add_argument("dir", metavar="DIR", help="the --out folder of study, probe or demo")
-    report.add_argument("--out", metavar="FILE", help="HTML file to write (DIR/report.html)")
+    report.add_argument(
+        "--out", metavar="FILE", help="the HTML file to write, not a folder (DIR/report.html)"
+    )
     report.set_defaults(func=cmd_report)
     return parser
 
@@ -324,7 +374,23 @@ def _one_line(err: BaseException) -> str:
     return text.rstrip(".")
 
 
-_ENVIRONMENT = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM}
+_ENVIRONMENT = {
+    errno.ENOSPC: "free some space",
+    errno.EDQUOT: "free some space",
+    errno.EFBIG: "raise the file-size limit (ulimit -f) or free space",
+    errno.EACCES: "fix the permissions",
+    errno.EPERM: "fix the permissions",
+    errno.EROFS: "choose a writable --out",
+}
+
+
+def _environment_line(err: OSError) -> str:
+    """One line for a fault of the machine, not of tangentlens: what, where, the fix."""
+    where = f" ({err.filename})" if err.filename else ""
+    return (
+        f"{err.strerror or _one_line(err)}{where}; {_ENVIRONMENT[err.errno]} and rerun: "
+        "finished work is kept and the run resumes"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -356,7 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:
         if debug or err.errno not in _ENVIRONMENT:
             return _bug(args.command, err, debug)
-        print(f"tangentlens {args.command}: error: {_one_line(err)}", file=sys.stderr, flush=True)
+        line = _environment_line(err)
+        print(f"tangentlens {args.command}: error: {line}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except Exception as err:
         return _bug(args.command, err, debug)

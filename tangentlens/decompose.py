@@ -11,8 +11,17 @@ softmaxes (grouped-query heads repeated as the model repeats them).
 
 A pre-attention norm can be made linear by freezing its scale at the value on the
 full input (`linearize_norm`), so a basis fitted on the residual stream splits the
-scores too. This module holds no model code: the backends (`tangentlens.hooks`) read
-`AttentionParams` and `NormParams` out of TransformerLens and Hugging Face modules.
+scores too. The same move makes q/k normalisation (Qwen3, Gemma 3, OLMo 2: an RMSNorm
+of each head's query and key, or of the whole projection) exact: its 1/σ is computed
+per token (and head) on the full query (key) and then held fixed, so the score stays
+bilinear in the input and the five terms still sum to the model's score. Such a split
+is a *linearisation* (`AttentionParams.linearised`): the terms are what the model's
+frozen-scale queries and keys give, and the attention probe marks its rows so.
+
+Local attention (a sliding window, `AttentionParams.window`) only changes which entries
+the model masks (`keep_mask`), never the scores. This module holds no model code: the
+backends (`tangentlens.hooks`) read `AttentionParams` and `NormParams` out of
+TransformerLens and Hugging Face modules.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from .errors import UsageError
@@ -33,6 +43,7 @@ __all__ = [
     "RotaryFn",
     "decompose_parts",
     "decompose_scores",
+    "keep_mask",
     "linearize_norm",
 ]
 
@@ -46,14 +57,42 @@ positions ``(batch, pos)`` int64. Must be linear in q and in k (as RoPE is)."""
 
 
 @dataclass(frozen=True)
+class NormParams:
+    """A LayerNorm or RMSNorm: y = w ⊙ (x − mean·[layernorm]) / σ + b.
+
+    ``weight`` is the effective scale: Gemma's ``(1 + weight)`` is stored as such.
+    """
+
+    kind: str  # "layernorm" or "rmsnorm"
+    weight: Tensor | None
+    bias: Tensor | None
+    eps: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("layernorm", "rmsnorm"):
+            raise UsageError(f"kind must be 'layernorm' or 'rmsnorm'; got {self.kind!r}.")
+
+    def detached(self) -> NormParams:
+        w, b = (None if t is None else t.detach() for t in (self.weight, self.bias))
+        return replace(self, weight=w, bias=b)
+
+
+@dataclass(frozen=True)
 class AttentionParams:
     """What the score decomposition needs from one attention layer.
 
     ``W_Q`` is ``(n_heads, d_model, d_head)``, ``W_K`` ``(n_kv_heads, d_model, d_head)``
     (TransformerLens layout: q = x @ W_Q[h] + b_Q[h]); ``b_Q`` ``(n_heads, d_head)`` and
     ``b_K`` ``(n_kv_heads, d_head)`` or None; ``scale`` multiplies q·k (usually
-    d_head**-0.5); ``rotary`` is applied to q and k after projection, or None;
-    ``causal`` says whether the model applies a causal mask.
+    d_head**-0.5); ``rotary`` is applied to q and k after projection (and q/k norm), or
+    None; ``causal`` says whether the model applies a causal mask.
+
+    ``q_norm`` / ``k_norm``: a norm of the projected queries / keys before rotary (Qwen3,
+    Gemma 3: one per head, weight ``(d_head,)``; with ``qk_norm_over_heads`` one over the
+    whole projection, weight ``(heads * d_head,)``, as OLMo 2). The split then freezes its
+    scale per token (and head) at the value on the full input: exact, but a linearisation
+    (`linearised`). ``window``: local attention, query q sees key k only when
+    |q − k| < window (None: global); see `keep_mask`.
     """
 
     W_Q: Tensor
@@ -63,6 +102,10 @@ class AttentionParams:
     scale: float
     rotary: RotaryFn | None = None
     causal: bool = True
+    q_norm: NormParams | None = None
+    k_norm: NormParams | None = None
+    qk_norm_over_heads: bool = False
+    window: int | None = None
 
     def __post_init__(self) -> None:
         if self.W_Q.ndim != 3 or self.W_K.ndim != 3:
@@ -80,14 +123,39 @@ class AttentionParams:
         for name, b, heads in (("b_Q", self.b_Q, n), ("b_K", self.b_K, n_kv)):
             if b is not None and tuple(b.shape) != (heads, e):
                 raise UsageError(f"{name} must be ({heads}, {e}) or None; got {tuple(b.shape)}.")
+        for name, norm, heads in (("q_norm", self.q_norm, n), ("k_norm", self.k_norm, n_kv)):
+            width = heads * e if self.qk_norm_over_heads else e
+            for part in ("weight", "bias"):
+                t = None if norm is None else getattr(norm, part)
+                if t is not None and tuple(t.shape) != (width,):
+                    raise UsageError(
+                        f"{name}.{part} must be ({width},) (over_heads="
+                        f"{self.qk_norm_over_heads}); got {tuple(t.shape)}."
+                    )
         if not self.scale > 0:
             raise UsageError(f"scale must be positive; got {self.scale}.")
+        if self.window is not None and not (isinstance(self.window, int) and self.window > 0):
+            raise UsageError(f"window must be a positive int or None; got {self.window!r}.")
 
     def detached(self) -> AttentionParams:
         """A copy whose tensors are detached from autograd (a snapshot for analysis)."""
         b_q = None if self.b_Q is None else self.b_Q.detach()
         b_k = None if self.b_K is None else self.b_K.detach()
-        return replace(self, W_Q=self.W_Q.detach(), W_K=self.W_K.detach(), b_Q=b_q, b_K=b_k)
+        q_norm, k_norm = (None if m is None else m.detached() for m in (self.q_norm, self.k_norm))
+        return replace(
+            self,
+            W_Q=self.W_Q.detach(),
+            W_K=self.W_K.detach(),
+            b_Q=b_q,
+            b_K=b_k,
+            q_norm=q_norm,
+            k_norm=k_norm,
+        )
+
+    @property
+    def linearised(self) -> str | None:
+        """``"qk_norm"`` when the split freezes a q/k norm's scale, else None (exact as is)."""
+        return "qk_norm" if self.q_norm is not None or self.k_norm is not None else None
 
     @property
     def n_heads(self) -> int:
@@ -115,6 +183,41 @@ def _dot(q: Tensor, k: Tensor) -> Tensor:
     return torch.einsum("bhqe,bhke->bhqk", q, k)
 
 
+def _frozen_scale(
+    parts: list[Tensor | None], norm: NormParams, dims: tuple[int, ...]
+) -> list[Tensor | None]:
+    """``parts`` (summing to x) centred (layernorm) and divided by σ(x), σ computed on the
+    full x over ``dims`` and then held fixed, so the map is linear in each part."""
+    present = [p for p in parts if p is not None]
+    x = sum(present[1:], present[0])
+    if norm.kind == "layernorm":
+        sigma = (x.var(dims, unbiased=False, keepdim=True) + norm.eps).sqrt()
+        parts = [None if p is None else p - p.mean(dims, keepdim=True) for p in parts]
+    else:
+        sigma = (x.pow(2).mean(dims, keepdim=True) + norm.eps).sqrt()
+    return [None if p is None else p / sigma for p in parts]
+
+
+def _qk_normalise(
+    t: Tensor, n: Tensor, b: Tensor | None, norm: NormParams, over_heads: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A q/k norm on (batch, head, pos, e) parts with its scale frozen on their sum; its
+    weight scales every part and its bias joins the bias part."""
+    heads = t.shape[1]
+    dims = (1, 3) if over_heads else (3,)
+    t, n, b = _frozen_scale([t, n, b], norm, dims)
+
+    def per_head(v: Tensor) -> Tensor:  # (e,) or (heads * e,) -> broadcast over (b, h, p, e)
+        return rearrange(v.to(t), "(h e) -> h 1 e", h=heads) if over_heads else v.to(t)
+
+    if norm.weight is not None:
+        w = per_head(norm.weight)
+        t, n, b = t * w, n * w, None if b is None else b * w
+    if norm.bias is not None:
+        b = (0 if b is None else b) + per_head(norm.bias).expand_as(t)
+    return t, n, b
+
+
 @torch.no_grad()
 def decompose_parts(
     x_tangent: Tensor,
@@ -130,7 +233,9 @@ def decompose_parts(
     attention input; ``positions`` ``(batch, pos)`` or ``(pos,)`` feed the rotary
     (default ``arange(pos)``). Returns ``TT, TN, NT, NN, bias``, each
     ``(batch, head, q_pos, k_pos)`` in ``dtype`` (at least float32), summing to the
-    pre-mask scaled scores. Runs without autograd: the terms are statistics' inputs.
+    pre-mask scaled scores. With a q/k norm its scale is frozen per token (and head) on
+    the full input (``params.linearised``). Runs without autograd: the terms are
+    statistics' inputs.
     """
     if x_tangent.shape != x_normal.shape or x_tangent.ndim != 3:
         raise UsageError(
@@ -148,18 +253,23 @@ def decompose_parts(
     dev = x_tangent.device
     xt, xn = x_tangent.to(dev, dtype), x_normal.to(dev, dtype)
     w_q, w_k = params.W_Q.to(dev, dtype), params.W_K.to(dev, dtype)
-    n, n_kv, e = params.n_heads, params.n_kv_heads, params.d_head
+    n, n_kv = params.n_heads, params.n_kv_heads
 
-    q_t, q_n = _project(xt, w_q), _project(xn, w_q)
-    k_t, k_n = _project(xt, w_k), _project(xn, w_k)
-    has_bias = params.b_Q is not None or params.b_K is not None
-    if has_bias:  # biases broadcast over positions; rotary then makes them position-dependent
-        q_b, k_b = (
-            torch.zeros(batch, heads, pos, e, device=dev, dtype=dtype)
-            if b is None
-            else b.to(dev, dtype)[None, :, None, :].expand(batch, heads, pos, e).contiguous()
-            for b, heads in ((params.b_Q, n), (params.b_K, n_kv))
-        )
+    def bias(b: Tensor | None, heads: int) -> Tensor | None:  # broadcast over positions
+        if b is None:
+            return None
+        return b.to(dev, dtype)[None, :, None, :].expand(batch, heads, pos, -1).contiguous()
+
+    q_t, q_n, q_b = _project(xt, w_q), _project(xn, w_q), bias(params.b_Q, n)
+    k_t, k_n, k_b = _project(xt, w_k), _project(xn, w_k), bias(params.b_K, n_kv)
+    if params.q_norm is not None:
+        q_t, q_n, q_b = _qk_normalise(q_t, q_n, q_b, params.q_norm, params.qk_norm_over_heads)
+    if params.k_norm is not None:
+        k_t, k_n, k_b = _qk_normalise(k_t, k_n, k_b, params.k_norm, params.qk_norm_over_heads)
+    has_bias = q_b is not None or k_b is not None
+    if has_bias:  # rotary then makes the biases position-dependent
+        q_b = torch.zeros_like(q_t) if q_b is None else q_b
+        k_b = torch.zeros_like(k_t) if k_b is None else k_b
     if params.rotary is not None:
         if positions is None:
             positions = torch.arange(pos, device=dev)
@@ -192,6 +302,44 @@ def decompose_parts(
     return terms
 
 
+def keep_mask(
+    shape: tuple[int, ...],
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    attention_mask: Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """``(batch, 1, q_pos, k_pos)`` bool, True where the model lets query q see key k.
+
+    ``shape`` is the terms' ``(batch, head, q_pos, k_pos)``. Causal: k ≤ q; ``window``
+    (local attention): |q − k| < window, which is Mistral's, Qwen's and Gemma 3's sliding
+    window and ModernBERT's local window (its ``sliding_window`` attribute, half the
+    local span + 1); ``attention_mask`` (``(batch, k_pos)``, 1 = token, 0 = padding)
+    drops padded queries' and keys' entries.
+    """
+    batch, _, n_q, n_k = shape
+    keep = torch.ones(batch, 1, n_q, n_k, dtype=torch.bool, device=device)
+    if (causal or window is not None) and n_q != n_k:
+        raise UsageError(f"a causal or local mask needs q_pos == k_pos; got {n_q} and {n_k}.")
+    if causal or window is not None:
+        offset = torch.arange(n_q, device=device)[:, None] - torch.arange(n_k, device=device)
+        if causal:
+            keep &= offset >= 0
+        if window is not None:
+            keep &= offset.abs() < window
+    if attention_mask is not None:
+        am = torch.as_tensor(attention_mask, device=device)
+        if tuple(am.shape) != (batch, n_k) or n_q != n_k:
+            raise UsageError(
+                f"attention_mask must be (batch, pos) = ({batch}, {n_k}) with 1 for real tokens "
+                f"and 0 for padding; got {tuple(am.shape)}."
+            )
+        valid = am.bool()
+        keep &= valid[:, None, :, None] & valid[:, None, None, :]
+    return keep
+
+
 def decompose_scores(
     x: Tensor,
     basis: TangentBasis,
@@ -218,20 +366,6 @@ def decompose_scores(
     return decompose_parts(x_t, x_n, params, positions=positions, dtype=dtype)
 
 
-@dataclass(frozen=True)
-class NormParams:
-    """A LayerNorm or RMSNorm: y = w ⊙ (x − mean·[layernorm]) / σ + b."""
-
-    kind: str  # "layernorm" or "rmsnorm"
-    weight: Tensor | None
-    bias: Tensor | None
-    eps: float
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("layernorm", "rmsnorm"):
-            raise UsageError(f"kind must be 'layernorm' or 'rmsnorm'; got {self.kind!r}.")
-
-
 def linearize_norm(
     x_tangent: Tensor, x_normal: Tensor, norm: NormParams, *, dtype: torch.dtype = torch.float64
 ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -241,16 +375,10 @@ def linearize_norm(
     (offset is the norm's bias, or None): σ is computed on x = x_T + x_N and then held
     fixed, so the centring, 1/σ and the weight act linearly on each part.
     """
-    xt, xn = x_tangent.to(dtype), x_normal.to(dtype)
-    x = xt + xn
-    if norm.kind == "layernorm":
-        sigma = (x.var(-1, unbiased=False, keepdim=True) + norm.eps).sqrt()
-        xt, xn = xt - xt.mean(-1, keepdim=True), xn - xn.mean(-1, keepdim=True)
-    else:
-        sigma = (x.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
-    w = 1.0 if norm.weight is None else norm.weight.to(x.device, dtype)
-    offset = None if norm.bias is None else norm.bias.to(x.device, dtype)
-    return xt / sigma * w, xn / sigma * w, offset
+    xt, xn = _frozen_scale([x_tangent.to(dtype), x_normal.to(dtype)], norm, (-1,))
+    w = 1.0 if norm.weight is None else norm.weight.to(xt.device, dtype)
+    offset = None if norm.bias is None else norm.bias.to(xt.device, dtype)
+    return xt * w, xn * w, offset
 
 
 def _with_input_offset(params: AttentionParams, offset: Tensor) -> AttentionParams:

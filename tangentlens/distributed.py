@@ -12,12 +12,18 @@ a batch list into contiguous whole batches, so each batch is computed exactly as
 process; `all_reduce_session` reduces a `ProbeSession`.
 Functions and arguments given to `launch` travel to the children the way
 ``multiprocessing`` sends them (pickled in memory): use module-level functions.
+Workers die with the process that launched them (Linux ``PR_SET_PDEATHSIG``) and call
+`check_parent` before they write: an orphan never goes on writing into a folder whose
+lock died with its parent.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +37,10 @@ from .errors import CorruptFileError, UsageError
 from .probes.driver import run
 from .validation import check_int, is_int
 
-__all__ = ["all_reduce_session", "free_port", "launch", "run_probe", "shard"]
+__all__ = ["all_reduce_session", "check_parent", "free_port", "launch", "run_probe", "shard"]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_parent: int | None = None  # in a worker of `launch`: the pid of the process that started it
 
 
 def shard(batches: Sequence[Any], rank: int, world_size: int) -> list[Any]:
@@ -52,15 +61,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def check_parent() -> None:
+    """In a worker of `launch`: exit at once, writing nothing, if the parent is gone (its
+    lock on the output folder went with it). Elsewhere: nothing."""
+    if _parent is not None and os.getppid() != _parent:
+        os._exit(1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this worker when its parent dies, then check that the parent
+    did not die before the request was made."""
+    global _parent
+    _parent = parent
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    check_parent()
+
+
 def _worker(
     rank: int,
     world_size: int,
+    parent: int,
     port: int,
     backend: str,
     fn: Callable[..., Any],
     args: tuple,
     queue: Any,
 ) -> None:
+    _die_with_parent(parent)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -100,7 +128,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     queue = mp.get_context("spawn").SimpleQueue()
     context = mp.spawn(
         _worker,
-        args=(world_size, free_port(), backend, fn, args, queue),
+        args=(world_size, os.getpid(), free_port(), backend, fn, args, queue),
         nprocs=world_size,
         join=False,
     )

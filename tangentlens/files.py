@@ -158,13 +158,13 @@ def check_safetensors(path: str | Path) -> dict[str, Any]:
         ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
         raise CorruptFileError(
-            f"{path} is not a whole safetensors file ({err}); restore or re-create it."
+            f"{path} is truncated or damaged ({err}); restore it, or delete it and re-create it."
         ) from err
     expected = 8 + n + max(ends, default=0)
     if size != expected:
         raise CorruptFileError(
             f"{path} is truncated or damaged ({size} bytes where its header needs {expected}); "
-            "restore or re-create it."
+            "restore it, or delete it and re-create it."
         )
     return header
 
@@ -197,6 +197,11 @@ def read_text_file(path: str | Path, encoding: str = "utf-8") -> str:
             "latin-1 to --encoding."
         ) from None
     except UnicodeDecodeError as err:
+        if b"\x00" in data:
+            raise UsageError(
+                f"{path} is a binary file (a NUL byte at offset {data.index(0)}), not text; "
+                "pass a text file."
+            ) from None
         raise UsageError(
             f"{path} is not {encoding} text (byte {data[err.start]:#04x} at offset {err.start}); "
             "convert it to UTF-8, or pass its encoding with --encoding (e.g. latin-1)."
@@ -239,7 +244,6 @@ def config_digest(config: Mapping[str, Any]) -> str:
 @dataclass
 class _Held:
     fd: int
-    depth: int = 1
     claimed_by: str | None = None  # the outermost command of this process that claimed it
 
 
@@ -367,12 +371,8 @@ def lock_folder(folder: str | Path, command: str) -> Iterator[FolderLock]:
     except OSError as err:
         reason = err.strerror or type(err).__name__
         raise UsageError(f"cannot write to {folder} ({reason}); choose a writable --out.") from err
-    if held is not None:
-        held.depth += 1
-        try:
-            yield FolderLock(folder, command, key)
-        finally:
-            held.depth -= 1
+    if held is not None:  # an outer command of this process holds it: one writer still
+        yield FolderLock(folder, command, key)
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

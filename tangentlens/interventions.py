@@ -167,6 +167,12 @@ def keep_terms(
     _check_part(part)
     if not 0 <= head < params.n_heads:
         raise UsageError(f"head must be in 0..{params.n_heads - 1}; got {head}.")
+    if params.linearised is not None:
+        raise UsageError(
+            "keep_terms edits q and k before the model's q/k norm, which would rescale the "
+            "edit by its new scale: head interventions on q/k-norm models (Qwen3, Gemma 3, "
+            "OLMo 2) are not supported."
+        )
     captured: dict[str, Tensor] = {}
     index = 0 if part == "tangent" else 1
     group = params.n_heads // params.n_kv_heads

@@ -42,9 +42,9 @@ import nnsight
 import torch
 import transformers
 from huggingface_hub import try_to_load_from_cache
+from safetensors import SafetensorError
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from safetensors import SafetensorError
 from transformers.utils import logging as hf_logging
 
 from .errors import CorruptFileError, HubUnavailableError, MissingFileError, UsageError
@@ -402,6 +402,21 @@ def _hf_model(source: str, config: Any, dtype: torch.dtype, device: str) -> Any:
     return model.to(device).eval()
 
 
+def _load_source(
+    source: str, backend: str, dtype: torch.dtype, device: str
+) -> tuple[Any, Any, bool]:
+    config = AutoConfig.from_pretrained(source)
+    causal = _is_causal(config)
+    if backend == "transformer_lens":
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*newly initialized.*")
+            bridge = TransformerBridge.boot_transformers(source, device=device, dtype=dtype)
+        return bridge.eval(), bridge.tokenizer, causal
+    hf_model = _hf_model(source, config, dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return wrap(hf_model, tokenizer, "nnsight", source=source), tokenizer, causal
+
+
 def load(
     name: str,
     backend: Backend = "transformer_lens",
@@ -424,19 +439,12 @@ def load(
     source = model_folder(name)
     if isinstance(source, str):
         _check_hub(source)
-    config = AutoConfig.from_pretrained(str(source))
-    causal = _is_causal(config)
-    if backend == "transformer_lens":
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*newly initialized.*")
-            bridge = TransformerBridge.boot_transformers(
-                str(source), device=device, dtype=torch_dtype
-            )
-        model, tokenizer = bridge.eval(), bridge.tokenizer
-    else:
-        hf_model = _hf_model(str(source), config, torch_dtype, device)
-        tokenizer = AutoTokenizer.from_pretrained(str(source))
-        model = wrap(hf_model, tokenizer, "nnsight", source=str(source))
+    try:
+        model, tokenizer, causal = _load_source(str(source), backend, torch_dtype, device)
+    except SafetensorError as err:
+        raise CorruptFileError(
+            f"the weights of {source} are damaged ({err}); restore the model folder."
+        ) from err
     return LoadedModel(model, tokenizer, name, backend, str(source), causal)
 
 

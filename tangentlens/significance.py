@@ -29,8 +29,10 @@ here is 1,000.
 
 Frame reuse. G depends only on (dim, k, n_controls, seed), since it is drawn in the
 coordinates of whatever matrix is tested; the frames are drawn once and reused across
-sites and tests from a small LRU cache of at most 512 MiB, stored in float32 (d = 768,
-k = 32 and 1,000 controls take 98 MB; a control's statistic moves by ~1e-7 relative).
+sites and tests from a small LRU cache of at most 512 MiB, in float64 with each frame's
+squared row norms (d = 768, k = 32 and 1,000 controls take 197 MB), so an energy null is
+one matrix-vector product over the eigenvalues (`numpy.linalg.eigvalsh`-class cost, no
+eigenvectors) and only the IsoScore* null over normal frames needs eigenvectors.
 Each site's p-value stays exact; p-values of different sites share their controls, so
 they are dependent.
 """
@@ -158,14 +160,14 @@ def _warn_exchangeability(basis: TangentBasis, controls: str) -> None:
 
 # ------------------------------------------------------------ control frames
 def _draw_frames(dim: int, k: int, n: int, seed: int) -> Tensor:
-    """``(n, dim, k)`` orthonormal frames with uniformly random span, orthonormalised in
-    float64 and stored in float32 (half the memory of the cache).
+    """``(n, dim, k)`` float64 orthonormal frames with uniformly random span (kept in
+    float64: converting per use cost more than the tests).
 
     Every statistic here depends on a frame's span only, so Cholesky-QR
     (Z·L⁻ᵀ with LLᵀ = ZᵀZ) replaces Householder QR: the same span, at GEMM speed.
     """
     gen = torch.Generator().manual_seed(seed)
-    out = torch.empty(n, dim, k, dtype=torch.float32)
+    out = torch.empty(n, dim, k, dtype=torch.float64)
     for start in range(0, n, _CHUNK):
         # float32 draws (4x faster than float64 here)
         z = torch.randn(min(_CHUNK, n - start), dim, k, generator=gen).double()
@@ -180,21 +182,24 @@ def _draw_frames(dim: int, k: int, n: int, seed: int) -> Tensor:
 
 class _FrameCache:
     """Control frames by (dim, k, n, seed), least recently used out first, within a byte
-    budget: one draw serves every site and both tests of a study."""
+    budget: one draw serves every site and both tests of a study. With each set it keeps
+    the squared row norms ‖G_i‖² (float64), so a trace over all frames is a mat-vec."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._frames: OrderedDict[tuple[int, int, int, int], Tensor] = OrderedDict()
+        self._frames: OrderedDict[tuple[int, int, int, int], tuple[Tensor, Tensor]] = OrderedDict()
 
-    def __call__(self, dim: int, k: int, n: int, seed: int) -> Tensor:
+    def __call__(self, dim: int, k: int, n: int, seed: int) -> tuple[Tensor, Tensor]:
         key = (dim, k, n, seed)
         if key in self._frames:
             self._frames.move_to_end(key)
             return self._frames[key]
-        frames = self._frames[key] = _draw_frames(*key)
-        while sum(f.nbytes for f in self._frames.values()) > self.max_bytes:
+        frames = _draw_frames(*key)
+        squares = frames.pow(2).sum(-1)
+        self._frames[key] = (frames, squares)
+        while sum(f.nbytes + q.nbytes for f, q in self._frames.values()) > self.max_bytes:
             self._frames.popitem(last=False)
-        return frames
+        return self._frames[key]
 
 
 _control_frames = _FrameCache(_CACHE_BYTES)
@@ -202,28 +207,55 @@ _control_frames = _FrameCache(_CACHE_BYTES)
 
 class _ControlAlgebra:
     """Traces of a symmetric S over random k-frames, in the eigenbasis of S on the
-    control space (the complement of Q_T, or the whole space)."""
+    control space (the complement of Q_T, or the whole space).
 
-    def __init__(self, s: Tensor, q_t: Tensor, controls: Controls) -> None:
+    Only the eigenvalues are needed, except for tr(QᵀS²Q) over normal frames, which
+    couples the complement to Q_T (``vectors=True``): eigenvalues alone cost a fraction
+    of a full eigendecomposition. ``comp`` reuses a complement basis of Q_T."""
+
+    def __init__(
+        self,
+        s: Tensor,
+        q_t: Tensor,
+        controls: Controls,
+        *,
+        vectors: bool = False,
+        comp: Tensor | None = None,
+    ) -> None:
         self.k = q_t.shape[1]
+        self.w: Tensor | None = None
         if controls == "normal":
-            c = complement(q_t)
+            c = complement(q_t) if comp is None else comp
             a = c.T @ s @ c
-            w = c.T @ s @ q_t  # couples the control space to Q_T in S²
         else:
-            a, w = s, None
-        evals, u = torch.linalg.eigh((a + a.T) / 2)
-        self.lam = evals
-        self.w = None if w is None else u.T @ w
+            a = s
+        a = (a + a.T) / 2
+        if vectors and controls == "normal":
+            self.lam, u = torch.linalg.eigh(a)
+            self.w = u.T @ (c.T @ s @ q_t)  # couples the control space to Q_T in S²
+        else:
+            self.lam = torch.linalg.eigvalsh(a)
         self.dim = a.shape[0]
 
-    def trace(self, g: Tensor) -> Tensor:
-        """tr(QᵀSQ) per frame."""
-        return torch.einsum("i,nij->n", self.lam, g * g)
+    def null(self, n: int, seed: int, fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        """``fn(squares, frames)`` over the cached frames, in chunks: ``squares``
+        ``(n, dim)`` are the frames' squared row norms, ``frames`` ``(n, dim, k)``."""
+        frames, squares = _control_frames(self.dim, self.k, n, int(seed))
+        device = self.lam.device
+        return torch.cat(
+            [
+                fn(squares[i : i + _CHUNK].to(device), frames[i : i + _CHUNK].to(device))
+                for i in range(0, n, _CHUNK)
+            ]
+        )
 
-    def trace_sq(self, g: Tensor) -> Tensor:
+    def trace(self, squares: Tensor) -> Tensor:
+        """tr(QᵀSQ) per frame."""
+        return squares @ self.lam
+
+    def trace_sq(self, squares: Tensor, g: Tensor) -> Tensor:
         """tr(QᵀS²Q) per frame."""
-        out = torch.einsum("i,nij->n", self.lam**2, g * g)
+        out = squares @ self.lam**2
         if self.w is not None:
             out = out + (self.w.T @ g).pow(2).sum((-2, -1))
         return out
@@ -232,14 +264,6 @@ class _ControlAlgebra:
         """‖QᵀSQ‖²_F per frame."""
         m = g.transpose(-2, -1) @ (self.lam[:, None] * g)
         return m.pow(2).sum((-2, -1))
-
-
-def _mc(algebra: _ControlAlgebra, n: int, seed: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
-    frames = _control_frames(algebra.dim, algebra.k, n, int(seed))
-    device = algebra.lam.device
-    return torch.cat(
-        [fn(frames[i : i + _CHUNK].to(device, torch.float64)) for i in range(0, n, _CHUNK)]
-    )
 
 
 def _add_one_p(null: Tensor, observed: float) -> float:
@@ -267,14 +291,15 @@ def _energy(
     seed: int,
     controls: Controls,
     activation_moments: Moments | None,
+    comp: Tensor | None = None,
 ) -> EnergyTestResult:
     total = float(torch.trace(h))
     if total <= 0:
         raise UsageError("the gradients are all zero: no energy to test. Check the loss.")
     d, k = basis.d, basis.k
     share = tangent_share(h, basis)
-    algebra = _ControlAlgebra(h, basis.basis_.to(h.device), controls)
-    null = _mc(algebra, n_controls, seed, algebra.trace) / total
+    algebra = _ControlAlgebra(h, basis.basis_.to(h.device), controls, comp=comp)
+    null = algebra.null(n_controls, seed, lambda sq, g: algebra.trace(sq)) / total
     ratio = energy_ratio(share, k, d)
     normalized = act_ratio = None
     if activation_moments is not None:
@@ -400,16 +425,23 @@ def delta_iso_tangent(
 
 
 def _isotropy(
-    iso: _IsoAfterRemoval, basis: TangentBasis, *, n_controls: int, seed: int, controls: Controls
+    iso: _IsoAfterRemoval,
+    basis: TangentBasis,
+    *,
+    n_controls: int,
+    seed: int,
+    controls: Controls,
+    comp: Tensor | None = None,
 ) -> IsotropyTestResult:
     delta_t = iso.delta(basis.basis_)
-    algebra = _ControlAlgebra(iso.s, basis.basis_.to(iso.s.device), controls)
-    null = _mc(
-        algebra,
-        n_controls,
-        seed,
-        lambda g: iso.after(algebra.trace(g), algebra.trace_sq(g), algebra.frob_sq(g)) - iso.before,
-    )
+    q_t = basis.basis_.to(iso.s.device)
+    algebra = _ControlAlgebra(iso.s, q_t, controls, vectors=True, comp=comp)
+
+    def delta(squares: Tensor, g: Tensor) -> Tensor:
+        traces = algebra.trace(squares), algebra.trace_sq(squares, g), algebra.frob_sq(g)
+        return iso.after(*traces) - iso.before
+
+    null = algebra.null(n_controls, seed, delta)
     delta_n = float(null.mean())
     return IsotropyTestResult(
         iso_before=iso.before,
@@ -447,6 +479,7 @@ def _energy_statistics(
     n_controls: int,
     seed: int,
     activation_moments: Moments | None,
+    comp: Tensor | None = None,
 ) -> dict[str, float | None]:
     """The energy test's named statistics: uniform controls, plus normal ones (labelled,
     so no warning) where they fit (2k ≤ d)."""
@@ -460,7 +493,8 @@ def _energy_statistics(
         "normalized_ratio": energy.normalized_ratio,
     }
     if 2 * basis.k <= basis.d:
-        normal = _energy(h, basis, **mc, controls="normal", activation_moments=None)
+        comp = comp if comp is not None else complement(basis.basis_.to(h.device))
+        normal = _energy(h, basis, **mc, controls="normal", activation_moments=None, comp=comp)
         out["p_value_normal"] = normal.p_value
     return out
 
@@ -485,14 +519,18 @@ def tangent_tests(
     """
     _check_inputs(gradient_moments, basis, n_controls, "uniform")
     h = gradient_moments.second_moment()
-    out = _energy_statistics(h, basis, n_controls, seed, activation_moments)
+    # one complement basis of Q_T serves both tests' normal controls
+    comp = complement(basis.basis_.to(h.device)) if 2 * basis.k <= basis.d else None
+    out = _energy_statistics(h, basis, n_controls, seed, activation_moments, comp)
     iso = _IsoAfterRemoval(gradient_moments, basis, zeta, reference)
     uniform = _isotropy(iso, basis, n_controls=n_controls, seed=seed, controls="uniform")
     out["delta_iso_tangent"] = uniform.delta_tangent
     out["iso_statistic"] = uniform.statistic
     out["isotropy_p_value"] = uniform.p_value
     if 2 * basis.k <= basis.d:
-        normal = _isotropy(iso, basis, n_controls=n_controls, seed=seed, controls="normal")
+        normal = _isotropy(
+            iso, basis, n_controls=n_controls, seed=seed, controls="normal", comp=comp
+        )
         out["delta_iso_normal"] = normal.delta_normal
         out["isotropy_p_value_normal"] = normal.p_value
     return {k: v for k, v in out.items() if v is not None}

@@ -272,17 +272,30 @@ class Moments:
             raise CorruptFileError(
                 "state has no 'count'; it was not written by Moments.state_dict()."
             )
-        n = int(state["count"])
-        if n == 0 and "mean" not in state:
-            self._n, self._mean, self._scatter = 0, None, None
-            return self
-        mean = torch.as_tensor(state["mean"], dtype=torch.float64)
-        scatter = torch.as_tensor(state["scatter"], dtype=torch.float64)
-        d = mean.shape[0]
+        try:
+            count = torch.as_tensor(state["count"])
+            n = int(count)
+            if count.is_floating_point() or count.dtype == torch.bool:
+                raise TypeError(f"count of dtype {count.dtype}")
+            if n == 0 and "mean" not in state:
+                self._n, self._mean, self._scatter = 0, None, None
+                return self
+            mean = torch.as_tensor(state["mean"], dtype=torch.float64)
+            scatter = torch.as_tensor(state["scatter"], dtype=torch.float64)
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise CorruptFileError(
+                f"corrupt Moments state ({type(err).__name__}: {err}); recompute the statistics."
+            ) from err
+        d = mean.shape[0] if mean.ndim else 0
         if mean.ndim != 1 or tuple(scatter.shape) != (d, d) or n < 0:
             raise CorruptFileError(
                 f"corrupt Moments state: mean {tuple(mean.shape)}, scatter {tuple(scatter.shape)}, "
                 f"count {n}."
+            )
+        if not (bool(torch.isfinite(mean).all()) and bool(torch.isfinite(scatter).all())):
+            raise CorruptFileError(
+                "corrupt Moments state: NaN or infinite values in its mean or scatter; "
+                "recompute the statistics."
             )
         self._device = mean.device if self._device is None else self._device
         self._n = n

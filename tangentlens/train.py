@@ -1,9 +1,12 @@
-"""Train a small Llama-style causal LM and save a Pythia-like checkpoint series.
+"""Train a small Llama-style causal LM (or BERT-like encoder) and save a Pythia-like
+checkpoint series.
 
-``train(TrainConfig(), out_dir)`` trains a byte-level BPE tokenizer on the
-corpus, then an HF ``LlamaForCausalLM``, and writes one complete HF folder per
-scheduled step (``out_dir/step{N}``: safetensors weights, config, tokenizer and
-``tangentlens.json`` with step and loss). Every folder appears by an atomic
+``train(TrainConfig(), out_dir)`` trains a byte-level BPE tokenizer on the corpus, then
+an HF ``LlamaForCausalLM`` (``objective="causal"``, next-token loss) or
+``BertForMaskedLM`` (``objective="masked"``: the encoders the paper contrasts decoders
+with; a seeded ``MASK_RATE`` of positions per step masked and predicted), and writes one
+complete HF folder per scheduled step (``out_dir/step{N}``: safetensors weights, config,
+tokenizer and ``tangentlens.json`` with step and loss). Every folder appears by an atomic
 rename. The run is a pure function of the config: killed at any point and
 started again, it resumes from the last finished checkpoint (weights, AdamW
 state and RNG state, stored as safetensors + JSON) and ends with the same
@@ -15,9 +18,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import shutil
 import tempfile
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +32,22 @@ import torch
 from torch import Tensor
 
 from .checkpoints import METADATA_FILE, quiet_transformers
+from .corpus import encode, load_lines, token_batches
 from .errors import CorruptFileError, UsageError
-from .files import dataclass_from_dict, load_tensors, save_tensors, tensor_hash, write_json
+from .files import (
+    FolderLock,
+    dataclass_from_dict,
+    environment_error,
+    load_tensors,
+    lock_folder,
+    make_readable,
+    remove_stale_temporaries,
+    save_tensors,
+    tensor_hash,
+    write_json,
+)
+from .validation import check_encoding, is_int
+from .version import __version__
 
 __all__ = ["TrainConfig", "checkpoint_steps", "train"]
 
@@ -35,6 +55,9 @@ CONFIG_FILE = "train_config.json"
 STATE_FILE = "train_state.safetensors"
 TOKENIZER_DIR = "tokenizer"
 SPECIAL_TOKEN = "<|endoftext|>"
+MASK_TOKEN = "<|mask|>"  # the masked objective's extra special token
+MASK_RATE = 0.15  # the fraction of positions the masked objective masks, as BERT's
+OBJECTIVES = ("causal", "masked")
 _TMP_PREFIX = ".tmp-"
 
 
@@ -55,6 +78,7 @@ class TrainConfig:
     """Everything that determines a training run (the run is a function of this)."""
 
     corpus: str | None = None  # text file, folder of .txt files, or None for the KJV
+    encoding: str = "utf-8"  # of the corpus files (decoded strictly)
     max_chars: int | None = None  # keep only the first characters of the corpus
     vocab_size: int = 4096
     d_model: int = 128
@@ -79,6 +103,7 @@ class TrainConfig:
     seed: int = 0
     num_threads: int = 1  # torch threads while training; results are exact for a fixed value
     tie_embeddings: bool = True  # as SmolLM2 and Gemma-3, the models it is compared with
+    objective: str = "causal"  # "causal": Llama decoder; "masked": BERT encoder (no n_kv_heads)
 
     def __post_init__(self) -> None:
         self.betas = (float(self.betas[0]), float(self.betas[1]))
@@ -99,12 +124,35 @@ class TrainConfig:
         ]
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise UsageError(f"TrainConfig.{name} must be a positive int; got {value!r}.")
-        if self.vocab_size < 257:
+            setattr(self, name, int(value))  # numpy ints too, as plain ints for JSON
+        for name in ("seed", "warmup_steps"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                raise UsageError(f"TrainConfig.{name} must be an int >= 0; got {value!r}.")
+            setattr(self, name, int(value))
+        if self.max_chars is not None and (not is_int(self.max_chars) or self.max_chars < 1):
             raise UsageError(
-                f"TrainConfig.vocab_size={self.vocab_size} is below the 256 byte tokens + 1 "
-                "special token of a byte-level BPE; use at least 257."
+                f"TrainConfig.max_chars must be None or a positive int; got {self.max_chars!r}."
+            )
+        self.encoding = check_encoding(self.encoding, "TrainConfig.encoding")
+        if self.objective not in OBJECTIVES:
+            raise UsageError(
+                f"TrainConfig.objective must be one of {OBJECTIVES}; got {self.objective!r}."
+            )
+        reals = ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "dropout", "probe_fraction")
+        for name in reals:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise UsageError(f"TrainConfig.{name} must be a number; got {value!r}.")
+            if not math.isfinite(value):
+                raise UsageError(f"TrainConfig.{name} must be finite; got {value!r}.")
+        least = 256 + len(self.special_tokens)
+        if self.vocab_size < least:
+            raise UsageError(
+                f"TrainConfig.vocab_size={self.vocab_size} is below the 256 byte tokens + "
+                f"{least - 256} special token(s) of a byte-level BPE; use at least {least}."
             )
         if self.d_model % self.n_heads:
             raise UsageError(
@@ -116,7 +164,7 @@ class TrainConfig:
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
                 "use a divisor of n_heads."
             )
-        if (self.d_model // self.n_heads) % 2:
+        if self.objective == "causal" and (self.d_model // self.n_heads) % 2:
             raise UsageError("the head dimension d_model/n_heads must be even for rotary.")
         checks = {
             "lr": self.lr > 0,
@@ -127,7 +175,6 @@ class TrainConfig:
             "grad_clip": self.grad_clip > 0,
             "dropout": 0.0 <= self.dropout < 1.0,
             "probe_fraction": 0.0 < self.probe_fraction < 1.0,
-            "max_chars": self.max_chars is None or self.max_chars > 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -156,6 +203,11 @@ class TrainConfig:
         return cls(**base)
 
     @property
+    def special_tokens(self) -> list[str]:
+        """The tokenizer's special tokens: a masked LM needs a mask token besides."""
+        return [SPECIAL_TOKEN, MASK_TOKEN] if self.objective == "masked" else [SPECIAL_TOKEN]
+
+    @property
     def steps(self) -> list[int]:
         """The checkpoint schedule."""
         return checkpoint_steps(self.max_steps, self.last_log_step, self.checkpoint_every)
@@ -171,8 +223,9 @@ class TrainConfig:
 
 
 # --------------------------------------------------------------------------- parts
-def _train_tokenizer(lines: list[str], vocab_size: int) -> Any:
-    """A byte-level BPE trained on ``lines``, wrapped as a PreTrainedTokenizerFast."""
+def _train_tokenizer(lines: list[str], config: TrainConfig) -> Any:
+    """A byte-level BPE trained on ``lines``, wrapped as a PreTrainedTokenizerFast (with a
+    ``mask_token`` for the masked objective, so ``mask_token_id`` survives a reload)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -180,8 +233,8 @@ def _train_tokenizer(lines: list[str], vocab_size: int) -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[SPECIAL_TOKEN],
+        vocab_size=config.vocab_size,
+        special_tokens=config.special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -192,14 +245,34 @@ def _train_tokenizer(lines: list[str], vocab_size: int) -> Any:
         eos_token=SPECIAL_TOKEN,
         unk_token=SPECIAL_TOKEN,
         pad_token=SPECIAL_TOKEN,
+        **({"mask_token": MASK_TOKEN} if config.objective == "masked" else {}),
     )
 
 
-def _model_config(config: TrainConfig, tokenizer: Any) -> Any:
-    from transformers import LlamaConfig
+def _new_model(config: TrainConfig, tokenizer: Any) -> Any:
+    """A freshly initialised model for ``config.objective`` (from the current torch RNG)."""
+    from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
     special = tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN)
-    return LlamaConfig(
+    if config.objective == "masked":
+        # mask_token_id in the config too: a model wrapped without its tokenizer (nnsight)
+        # still finds it for loss="mlm"
+        return BertForMaskedLM(
+            BertConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=config.d_model,
+                intermediate_size=config.d_mlp,
+                num_hidden_layers=config.n_layers,
+                num_attention_heads=config.n_heads,
+                max_position_embeddings=config.seq_len,
+                hidden_dropout_prob=config.dropout,
+                attention_probs_dropout_prob=config.dropout,
+                tie_word_embeddings=config.tie_embeddings,
+                pad_token_id=special,
+                mask_token_id=tokenizer.mask_token_id,
+            )
+        )
+    llama = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=config.d_model,
         intermediate_size=config.d_mlp,
@@ -213,6 +286,21 @@ def _model_config(config: TrainConfig, tokenizer: Any) -> Any:
         eos_token_id=special,
         pad_token_id=special,
     )
+    return LlamaForCausalLM(llama)
+
+
+def _inputs(config: TrainConfig, x: Tensor, mask_id: int | None, key: str) -> dict[str, Tensor]:
+    """The model's inputs and labels for blocks ``x``: the next tokens (causal), or
+    ``MASK_RATE`` of the positions (at least one per block) replaced by the mask token and
+    predicted (masked). The mask is a pure function of (seed, ``key``), so resumed runs
+    draw the same masks; its generator is its own, apart from the dropout RNG."""
+    if config.objective == "causal":
+        return {"input_ids": x, "labels": x}
+    gen = torch.Generator().manual_seed(zlib.crc32(f"mask {config.seed} {key}".encode()))
+    draw = torch.rand(x.shape, generator=gen)
+    chosen = draw < MASK_RATE
+    chosen[torch.arange(x.shape[0]), draw.argmin(1)] = True
+    return {"input_ids": x.masked_fill(chosen, mask_id), "labels": x.masked_fill(~chosen, -100)}
 
 
 def _lr(config: TrainConfig, step: int) -> float:
@@ -243,11 +331,22 @@ def _load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, Tensor], meta
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def _atomic_dir(final: Path, fill: Any) -> None:
-    """Build a folder under a temporary name with ``fill(tmp)``, then rename it to ``final``."""
+def _atomic_dir(final: Path, fill: Callable[[Path], Any]) -> None:
+    """Build a folder under a temporary name with ``fill(tmp)``, then rename it to ``final``
+    (with the umask's permissions, not mkdtemp's 0700). A full disk or a file-size limit
+    inside a library's writer surfaces as the `OSError` it is."""
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name}-", dir=final.parent))
     try:
-        fill(tmp)
+        try:
+            fill(tmp)
+        except OSError:
+            raise
+        except Exception as err:
+            env = environment_error(err, final)
+            if env is None:
+                raise
+            raise env from err
+        make_readable(tmp)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -266,18 +365,24 @@ def _read_json(path: Path) -> dict[str, Any]:
         ) from err
 
 
-def _prepare_out_dir(config: TrainConfig, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+def _prepare_out_dir(config: TrainConfig, out: Path, lock: FolderLock) -> None:
+    """Claim ``out`` for this config (a run's folder: resumed, never mixed with another
+    config's), clear what killed runs left, record the config."""
+    cfg_path = out / CONFIG_FILE
+
+    def same_config() -> bool:  # a run from before folder records: its config file decides
+        return cfg_path.is_file() and TrainConfig.from_dict(_read_json(cfg_path)) == config
+
+    lock.claim(
+        config.to_dict(),
+        (CONFIG_FILE, STATE_FILE, TOKENIZER_DIR, "step*"),
+        results=(STATE_FILE, TOKENIZER_DIR, "step*"),
+        adopt=same_config,
+    )
     for stale in out.glob(f"{_TMP_PREFIX}*"):
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-    cfg_path = out / CONFIG_FILE
-    if cfg_path.exists():
-        if _read_json(cfg_path) != json.loads(json.dumps(config.to_dict())):
-            raise UsageError(
-                f"{out} holds a run with a different TrainConfig; pass the same config to "
-                "resume it, or choose another output folder."
-            )
-    else:
+    remove_stale_temporaries(out)
+    if not same_config():
         write_json(cfg_path, config.to_dict())
 
 
@@ -288,30 +393,28 @@ def train(config: TrainConfig, out_dir: str | Path, progress: bool = True) -> Pa
     The caller's torch RNG state and thread count are restored afterwards.
     """
     out = Path(out_dir)
-    _prepare_out_dir(config, out)
-    if (out / f"step{config.max_steps}").is_dir():
-        return out
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.num_threads)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            _run(config, out, progress)
-    finally:
-        torch.set_num_threads(threads)
+    with lock_folder(out, "train") as lock:
+        _prepare_out_dir(config, out, lock)
+        if (out / f"step{config.max_steps}").is_dir():
+            return out
+        threads = torch.get_num_threads()
+        torch.set_num_threads(config.num_threads)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                _run(config, out, progress)
+        finally:
+            torch.set_num_threads(threads)
     return out
 
 
 def _run(config: TrainConfig, out: Path, progress: bool) -> None:
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
-    from . import __version__
-    from .corpus import encode, load_lines, token_batches
-
-    lines = load_lines(config.corpus, config.max_chars)
+    lines = load_lines(config.corpus, config.max_chars, config.encoding)
     tok_dir = out / TOKENIZER_DIR
     if not tok_dir.is_dir():
-        _atomic_dir(tok_dir, _train_tokenizer(lines, config.vocab_size).save_pretrained)
+        _atomic_dir(tok_dir, _train_tokenizer(lines, config).save_pretrained)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     data = token_batches(
         tokenizer,
@@ -320,26 +423,17 @@ def _run(config: TrainConfig, out: Path, progress: bool) -> None:
         probe_fraction=config.probe_fraction,
         seed=config.seed,
     )
-    eval_x = data.probe[: config.eval_blocks]
+    mask_id = tokenizer.mask_token_id
+    eval_inputs = _inputs(config, data.probe[: config.eval_blocks], mask_id, "eval")
 
     torch.manual_seed(config.seed)
-    model = LlamaForCausalLM(_model_config(config, tokenizer))
+    model = _new_model(config, tokenizer)
     opt = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
     )
     start = 0
     if (out / STATE_FILE).exists():
-        tensors, meta = load_tensors(out / STATE_FILE)
-        start = int(meta["step"])
-        weights, _ = load_tensors(out / f"step{start}" / "model.safetensors")
-        result = model.load_state_dict(weights, strict=False)
-        if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
-            raise UsageError(
-                f"{out / f'step{start}'} does not match this config's model; "
-                "delete the output folder or pass the config it was trained with."
-            )
-        _load_optimizer(opt, tensors, json.loads(meta["optimizer"]))
-        torch.set_rng_state(tensors["rng"])
+        start = _resume(out, model, opt)
 
     schedule = set(config.steps)
     bar = tqdm(
@@ -351,12 +445,12 @@ def _run(config: TrainConfig, out: Path, progress: bool) -> None:
         for group in opt.param_groups:
             group["lr"] = _lr(config, step)
         model.train()
-        loss = model(input_ids=x, labels=x).loss
+        loss = model(**_inputs(config, x, mask_id, f"step {step}")).loss
         if step in schedule:
             metadata = {
                 "step": step,
                 "loss": loss.item(),
-                "eval_loss": _eval_loss(model, eval_x),
+                "eval_loss": _eval_loss(model, eval_inputs),
                 "tokens_seen": step * config.batch_size * config.seq_len,
                 "lr": _lr(config, step),
                 "config": config.to_dict(),
@@ -374,10 +468,37 @@ def _run(config: TrainConfig, out: Path, progress: bool) -> None:
     bar.close()
 
 
+def _resume(out: Path, model: Any, opt: torch.optim.Optimizer) -> int:
+    """Load the training state and the checkpoint it resumes from; returns its step. A
+    damaged or tampered state is a `CorruptFileError` with the fix."""
+    path = out / STATE_FILE
+    tensors, meta = load_tensors(path)
+    try:
+        start = int(meta["step"])
+        weights, _ = load_tensors(out / f"step{start}" / "model.safetensors")
+        result = model.load_state_dict(weights, strict=False)
+        tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # not saved
+        if result.unexpected_keys or set(result.missing_keys) - tied:
+            raise UsageError(
+                f"{out / f'step{start}'} does not match this config's model; "
+                "delete the output folder or pass the config it was trained with."
+            )
+        _load_optimizer(opt, tensors, json.loads(meta["optimizer"]))
+        torch.set_rng_state(tensors["rng"])
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as err:
+        if isinstance(err, UsageError | CorruptFileError):
+            raise
+        raise CorruptFileError(
+            f"{path} is damaged ({type(err).__name__}: {err}); delete it and rerun: training "
+            "restarts and checks every checkpoint it writes again."
+        ) from err
+    return start
+
+
 @torch.no_grad()
-def _eval_loss(model: Any, x: Tensor) -> float:
+def _eval_loss(model: Any, inputs: dict[str, Tensor]) -> float:
     model.eval()
-    loss = float(model(input_ids=x, labels=x).loss)
+    loss = float(model(**inputs).loss)
     model.train()
     return loss
 
@@ -398,9 +519,9 @@ def _checkpoint(
     if final.is_dir():
         saved = _read_json(final / METADATA_FILE).get("weights_hash")
         if saved != weights_hash:
-            raise RuntimeError(
-                f"{final} holds other weights than this resumed run produced; the run is not "
-                "reproducible here (another torch build or thread count?): delete the folder."
+            raise CorruptFileError(
+                f"{final} holds other weights than this resumed run produced (changed, or "
+                "another torch build or thread count): delete the folder and rerun."
             )
     else:
         meta = {**metadata, "weights_hash": weights_hash}

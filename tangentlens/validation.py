@@ -58,8 +58,7 @@ def check_encoding(encoding: Any, name: str = "encoding") -> str:
         codecs.lookup(encoding)
     except (LookupError, TypeError):
         raise UsageError(
-            f"{name} {encoding!r} is not a text encoding Python knows; use e.g. utf-8 or "
-            "latin-1."
+            f"{name} {encoding!r} is not a text encoding Python knows; use e.g. utf-8 or latin-1."
         ) from None
     return str(encoding)
 

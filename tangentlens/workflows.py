@@ -1,17 +1,18 @@
 """What each command does, as functions the CLI calls (and notebooks may too).
 
-`probe_model` (one model: bases, probes, tables, report), `train_series` (the small
+`probe_model` (one model: bases, probes, tables, report), `train_config` (the small
 model's checkpoints), `run_study` (the study over a series), `probe_heads` (per-head
-attention probe of chosen checkpoints) and `demo` (all of it, offline). Each takes
-keyword options and a ``log`` callable for its one-line progress messages; the CLI
-passes ``print``.
+attention probe of chosen checkpoints), `render_report` and `demo` (all of it, offline).
+Each takes keyword options and a ``log`` callable for its one-line progress messages; the
+CLI passes ``print``. Each command that writes a folder holds it as its one writer for the
+whole run (`tangentlens.files.lock_folder`) and writes only into a folder that it made
+with the same configuration, or an empty one.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,16 +27,18 @@ from .checkpoints import CheckpointSeries
 from .corpus import encode, load_lines
 from .distributed import run_probe
 from .errors import MissingFileError, UsageError
-from .files import write_json
+from .files import lock_folder, remove_stale_temporaries, write_json
 from .hooks.base import get_backend
 from .hooks.sites import Site
 from .models import is_hub_id, load, quiet_transformers
 from .probes.bases import BasisSet
 from .probes.driver import fit_bases, run
 from .report import write_report
+from .report.page import is_report
 from .study import Study, StudyConfig
+from .study.pipeline import OUTPUTS as STUDY_OUTPUTS
 from .train import TrainConfig, train
-from .validation import check_rank
+from .validation import check_backend, check_encoding, check_int, check_rank, is_int
 from .version import __version__
 
 __all__ = [
@@ -47,16 +50,18 @@ __all__ = [
     "probe_checkpoint",
     "probe_heads",
     "probe_model",
+    "render_report",
     "run_study",
     "study_config",
     "token_blocks",
     "train_config",
-    "writable_dir",
 ]
 
 CHECKPOINTS_DIR = "checkpoints"
 HEADS_DIR = "heads"
 QUICK_STUDY = {"n_controls": 50, "n_permutations": 20, "n_sequences": 8, "reservoir": 256}
+PROBE_OUTPUTS = ("results.csv", "results.json", "manifest.json", "report.html", "bases", "figures")
+DEMO_OUTPUTS = (*STUDY_OUTPUTS, CHECKPOINTS_DIR, HEADS_DIR)
 Log = Callable[[str], None]
 
 
@@ -64,24 +69,29 @@ def _quiet(_: str) -> None:
     """The default ``log``: say nothing."""
 
 
-def writable_dir(path: str | Path) -> Path:
-    """Create ``path`` and check a file can be written there, before any long work."""
-    out = Path(path).expanduser()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as err:
-        reason = err.strerror or type(err).__name__
+def _local(path: str | None) -> str | None:
+    """An existing local path as an absolute one (what a folder's record compares), else
+    the name as given (a bundled model, a hub id, None)."""
+    if path is None or not Path(path).expanduser().exists():
+        return path
+    return str(Path(path).expanduser().resolve())
+
+
+def _check_seq_len(seq_len: Any) -> int:
+    if not is_int(seq_len) or seq_len < 2:
         raise UsageError(
-            f"cannot write to {out} ({reason}); choose a writable --out folder"
-        ) from err
-    return out
+            f"--seq-len must be an int >= 2; got {seq_len!r}: a one-token sequence has no "
+            "next token to predict (no gradient) and no pair of tokens to attend."
+        )
+    return int(seq_len)
 
 
-def token_blocks(tokenizer: Any, text: str | None, tokens: int, seq_len: int) -> Tensor:
+def token_blocks(
+    tokenizer: Any, text: str | None, tokens: int, seq_len: int, encoding: str = "utf-8"
+) -> Tensor:
     """``(n, seq_len)`` token blocks: ``2 * tokens`` tokens of the text (or the KJV)."""
-    lines = load_lines(text, max_chars=max(20_000, 12 * 2 * tokens))
+    seq_len = _check_seq_len(seq_len)
+    lines = load_lines(text, max(20_000, 12 * 2 * tokens), encoding)
     ids = encode(tokenizer, lines)
     n_blocks = min(ids.numel() // seq_len, 2 * max(1, tokens // seq_len))
     if n_blocks < 2:
@@ -99,6 +109,29 @@ def context_length(model: Any) -> int | None:
         return int(cfg.n_ctx)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return int(limit) if limit else None
+
+
+def _vocab_size(model: Any) -> int | None:
+    """The model's vocabulary (TransformerLens ``cfg.d_vocab`` or HF ``config.vocab_size``)."""
+    size = getattr(getattr(model, "cfg", None), "d_vocab", None)
+    size = size or getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if size else None
+
+
+def _check_tokens(model: Any, blocks: Any) -> None:
+    """Token blocks must be integer ids inside the model's vocabulary (an id outside it
+    fails deep inside the embedding as an IndexError)."""
+    if not isinstance(blocks, Tensor) or blocks.ndim != 2 or blocks.is_floating_point():
+        raise UsageError(
+            "blocks must be a (n, seq_len) tensor of token ids; tokenize with token_blocks()."
+        )
+    vocab = _vocab_size(model)
+    low, high = int(blocks.min()), int(blocks.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        raise UsageError(
+            f"token ids run from {low} to {high}, outside the model's vocabulary [0, {vocab}); "
+            "tokenize the text with this model's tokenizer."
+        )
 
 
 def _load_model(name: str, backend: str) -> Any:
@@ -123,6 +156,7 @@ def probe_checkpoint(
     """Fit rank-``rank`` bases (resid_pre and attention input) on the first half of
     ``blocks`` and probe the second half; returns ``(results, bases)``."""
     check_rank(rank, get_backend(model).d_model, "normal", name="--rank")
+    _check_tokens(model, blocks)
     half = blocks.shape[0] // 2
     fit_set = list(blocks[:half].split(batch_size))
     per_process = -(-(blocks.shape[0] - half) // world_size)  # every process gets a batch
@@ -146,6 +180,7 @@ def probe_model(
     *,
     backend: str = "transformer_lens",
     text: str | None = None,
+    encoding: str = "utf-8",
     rank: int = 16,
     layers: Sequence[int] | None = None,
     tokens: int = 1024,
@@ -158,8 +193,46 @@ def probe_model(
     log: Log = _quiet,
 ) -> tuple[pd.DataFrame, Path]:
     """One model: fit bases, run the probes, write ``results.csv/json``, ``bases/``,
-    ``manifest.json`` and ``report.html`` into ``out``. Returns ``(table, report)``."""
+    ``manifest.json`` and ``report.html`` into ``out``, a folder only this probe (same
+    model and options) writes. Returns ``(table, report)``."""
+    settings = {
+        "model": _local(name),
+        "backend": check_backend(backend),
+        "text": _local(text),
+        "encoding": check_encoding(encoding, "--encoding"),
+        "rank": check_int(rank, "--rank", minimum=1),
+        "layers": _check_layers(layers),
+        "tokens": check_int(tokens, "--tokens", minimum=1),
+        "seq_len": _check_seq_len(seq_len),
+        "batch_size": check_int(batch_size, "--batch-size", minimum=1),
+        "n_controls": check_int(n_controls, "--n-controls", minimum=1),
+    }
+    world_size = check_int(world_size, "--world-size", minimum=1)
+    with lock_folder(out, "probe") as lock:
+        lock.claim(settings, PROBE_OUTPUTS, results=("results.csv", "bases"))
+        remove_stale_temporaries(out)
+        return _probe_model(name, Path(out), settings, world_size, config, progress, log)
+
+
+def _check_layers(layers: Sequence[int] | None) -> list[int] | None:
+    if layers is None:
+        return None
+    if isinstance(layers, str | bytes) or not all(is_int(v) and v >= 0 for v in layers):
+        raise UsageError(f"--layers must be ints >= 0; got {layers!r}.")
+    return [int(v) for v in layers]
+
+
+def _probe_model(
+    name: str,
+    out: Path,
+    settings: dict[str, Any],
+    world_size: int,
+    config: dict[str, Any] | None,
+    progress: bool,
+    log: Log,
+) -> tuple[pd.DataFrame, Path]:
     start = time.perf_counter()
+    backend, rank, seq_len = settings["backend"], settings["rank"], settings["seq_len"]
     log(f"loading {name} ({backend}) …")
     with quiet_transformers():
         loaded = load(name, backend)
@@ -172,15 +245,17 @@ def probe_model(
     if context is not None and seq_len > context:
         log(f"--seq-len {seq_len} exceeds the model's context; using {context}")
         seq_len = context
-    blocks = token_blocks(loaded.tokenizer, text, tokens, seq_len)
+    blocks = token_blocks(
+        loaded.tokenizer, settings["text"], settings["tokens"], seq_len, settings["encoding"]
+    )
     table, bases = probe_checkpoint(
         loaded.model,
         blocks,
         rank=rank,
-        layers=layers,
+        layers=settings["layers"],
         probes=probes,
-        batch_size=batch_size,
-        n_controls=n_controls,
+        batch_size=settings["batch_size"],
+        n_controls=settings["n_controls"],
         world_size=world_size,
         model_factory=functools.partial(_load_model, name, backend),
         progress=progress,
@@ -210,11 +285,14 @@ def train_config(
     *,
     quick: bool = False,
     corpus: str | None = None,
+    encoding: str | None = None,
     max_steps: int | None = None,
     seed: int | None = None,
 ) -> TrainConfig:
     """The trainer's config: defaults, or a tiny model (``quick``: five checkpoints)."""
-    chosen = {"corpus": corpus, "max_steps": max_steps, "seed": seed}
+    if encoding is not None:
+        check_encoding(encoding, "--encoding")
+    chosen = {"corpus": _local(corpus), "encoding": encoding, "max_steps": max_steps, "seed": seed}
     overrides = {k: v for k, v in chosen.items() if v is not None}
     if quick:  # five checkpoints (0, 1, 2, 4, 8) of a tiny model: seconds
         return TrainConfig.tiny(**{"max_steps": 8, **overrides})
@@ -230,7 +308,9 @@ def _trained_with(checkpoints: str) -> dict[str, Any]:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    keys = ("corpus", "max_chars", "seq_len", "probe_fraction", "seed")
+    if not isinstance(saved, dict):
+        return {}
+    keys = ("corpus", "encoding", "max_chars", "seq_len", "probe_fraction", "seed")
     return {k: saved[k] for k in keys if k in saved}
 
 
@@ -239,22 +319,55 @@ def study_config(checkpoints: str, *, quick: bool = False, **options: Any) -> St
     `tangentlens train` folder, the quick settings, then ``options`` that are not None."""
     if not Path(checkpoints).expanduser().exists() and not is_hub_id(checkpoints):
         raise MissingFileError(
-            f"--checkpoints {checkpoints} is neither an existing folder nor a hub id "
-            "'org/name'; pass the folder `tangentlens train` wrote"
+            f"--checkpoints {checkpoints} does not exist (and is no hub id 'org/name'); "
+            "pass the folder `tangentlens train` wrote"
         )
+    if options.get("encoding") is not None:
+        check_encoding(options["encoding"], "--encoding")
     base = dict(QUICK_STUDY) if quick else {}
     base.update(_trained_with(checkpoints))
     base.update({k: v for k, v in options.items() if v is not None})
-    return StudyConfig(checkpoints=checkpoints, **base)
+    if base.get("corpus") is not None:
+        base["corpus"] = _local(base["corpus"])
+    return StudyConfig(checkpoints=_local(checkpoints), **base)
 
 
 def run_study(
     config: StudyConfig, out: Path, *, world_size: int = 1, progress: bool = True
 ) -> pd.DataFrame:
-    """Run (or resume) the study into ``out`` and write its report."""
-    table = Study(config).run(out, world_size=world_size, progress=progress)
-    write_report(out, out / "report.html")
+    """Run (or resume) the study into ``out`` and write its report, holding the folder."""
+    with lock_folder(out, "study"):
+        table = Study(config).run(out, world_size=world_size, progress=progress)
+        write_report(out, Path(out) / "report.html")
     return table
+
+
+# ----------------------------------------------------------------------------- report
+def render_report(folder: str | Path, target: str | Path | None = None) -> Path:
+    """Re-render ``report.html`` (or the HTML file ``target``) and ``figures/`` beside it
+    from a results folder; the target's folder is held while it is written, and a file
+    there that is not a tangentlens report is never overwritten."""
+    source = Path(folder).expanduser()
+    if not source.is_dir():
+        raise MissingFileError(
+            f"{source} is not a folder; pass the --out folder of `tangentlens study` or `probe`"
+        )
+    page = source / "report.html" if target is None else Path(target).expanduser()
+    if page.is_dir() or str(target or "").endswith(("/", "\\")):
+        raise UsageError(
+            f"--out {target} is a folder; --out takes the HTML file to write, e.g. "
+            f"{page / 'report.html'}"
+        )
+    with lock_folder(page.parent, "report"):
+        if page.exists() and not is_report(page):
+            raise UsageError(
+                f"{page} exists and is not a tangentlens report; it is never overwritten: "
+                "pass another --out file"
+            )
+        remove_stale_temporaries(page.parent, (f".{page.name}.*.tmp",))
+        if (page.parent / "figures").is_dir():
+            remove_stale_temporaries(page.parent / "figures")
+        return write_report(source, page)
 
 
 def probe_heads(
@@ -296,16 +409,21 @@ class DemoOutcome:
 def demo(
     out: Path, *, quick: bool = False, progress: bool = True, log: Log = _quiet
 ) -> DemoOutcome:
-    """Train the small model, run the study, probe the heads, write the report."""
+    """Train the small model, run the study, probe the heads, write the report: the whole
+    folder is the demo's (its record covers the study's and the trainer's steps in it)."""
     start = time.perf_counter()
-    checkpoints = out / CHECKPOINTS_DIR
-    config = train_config(quick=quick)
-    log(f"[1/4] training the small model ({config.max_steps} steps) → {checkpoints}")
-    train(config, checkpoints, progress=progress)
-    log("[2/4] running the study over the checkpoints")
-    table = Study(study_config(str(checkpoints), quick=quick)).run(out, progress=progress)
-    log("[3/4] probing attention heads (early window and final checkpoint)")
-    probe_heads(checkpoints, out, table, progress=progress)
-    log("[4/4] writing the report")
-    page = write_report(out, out / "report.html")
+    out = Path(out).expanduser()
+    with lock_folder(out, "demo") as lock:
+        lock.claim({"quick": bool(quick)}, DEMO_OUTPUTS, results=(CHECKPOINTS_DIR, "results.csv"))
+        remove_stale_temporaries(out)
+        checkpoints = out / CHECKPOINTS_DIR
+        config = train_config(quick=quick)
+        log(f"[1/4] training the small model ({config.max_steps} steps) → {checkpoints}")
+        train(config, checkpoints, progress=progress)
+        log("[2/4] running the study over the checkpoints")
+        table = Study(study_config(str(checkpoints), quick=quick)).run(out, progress=progress)
+        log("[3/4] probing attention heads (early window and final checkpoint)")
+        probe_heads(checkpoints, out, table, progress=progress)
+        log("[4/4] writing the report")
+        page = write_report(out, out / "report.html")
     return DemoOutcome(table, page, time.perf_counter() - start)

@@ -11,6 +11,14 @@ from that folder. The plain HF folders are reused by the nnsight backend tests.
 The fixtures ``any_model`` and ``causal_model`` yield ``(name, bridge)``; import them into
 a test module (``from models import any_model  # noqa: F401``) to use them, or
 parametrize over ``ALL_MODELS`` and call ``tl_bridge(name)``.
+
+``FAMILIES`` covers every architecture the paper and current models use (``ENCODERS``
+are bidirectional; ``BRIDGE_FAMILIES`` the ones a TransformerLens 4.3 bridge boots).
+``sharp=True`` builds them with O(1) scores (init std 0.2, random biases and norm
+weights, 12-token windows cut by small sliding windows), so exactness checks see
+non-uniform patterns, every bias and norm, and masked local attention:
+
+>>> folder = hf_folder("gemma3", sharp=True)   # q/k norms, sliding layer 0, global layer 1
 """
 
 from __future__ import annotations
@@ -31,6 +39,22 @@ import torch
 ARCHITECTURES = ("gpt2", "neox", "llama", "bert")
 ALL_MODELS = (*ARCHITECTURES, "native")
 CAUSAL = ("gpt2", "neox", "llama", "native")
+FAMILIES = (
+    *ARCHITECTURES,
+    "roberta",
+    "qwen2",
+    "olmo",
+    "mistral",
+    "gemma3",
+    "qwen3",
+    "olmo2",
+    "gptj",
+    "eurobert",
+    "modernbert",
+)
+ENCODERS = ("bert", "roberta", "eurobert", "modernbert")
+BRIDGE_FAMILIES = tuple(f for f in FAMILIES if f not in ("eurobert", "modernbert"))
+WINDOW = 4  # sliding window of the sharp families' local layers (ModernBERT: |q − k| ≤ 4)
 
 D_MODEL = 32
 N_LAYERS = 2
@@ -78,13 +102,19 @@ def _build_tokenizer(folder: Path, *, bert: bool) -> Any:
     return fast
 
 
-def _hf_config(arch: str, tokenizer: Any) -> Any:
+def _hf_config(arch: str, tokenizer: Any, sharp: bool = False) -> Any:
     import transformers as tf
 
     # special ids inside the tiny vocabulary (GPT-2's default 50256 is not)
-    common = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
-    if arch != "bert":
+    common: dict[str, Any] = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
+    if arch not in ENCODERS:
         common |= {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.bos_token_id}
+    elif arch != "bert":
+        common |= {"bos_token_id": tokenizer.cls_token_id, "eos_token_id": tokenizer.sep_token_id}
+    if sharp:
+        common["initializer_range"] = 0.2
+    if arch in FAMILIES[len(ARCHITECTURES) :]:
+        return _family_config(arch, tokenizer, common)
     if arch == "gpt2":
         return tf.GPT2Config(
             n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_positions=N_CTX, **common
@@ -122,11 +152,84 @@ def _hf_config(arch: str, tokenizer: Any) -> Any:
     raise ValueError(f"arch must be one of {ARCHITECTURES}; got {arch!r}.")
 
 
+def _family_config(arch: str, tokenizer: Any, common: dict[str, Any]) -> Any:
+    """The families beyond the original four: GQA where the family has it, partial rotary
+    (GPT-J), q/k norms (Qwen3, Gemma 3, OLMo 2), sliding windows (Mistral on every layer;
+    Qwen2 and Gemma 3 on layer 0 or 1; ModernBERT's local layer 1 of 3)."""
+    import transformers as tf
+
+    shape = {
+        "hidden_size": D_MODEL,
+        "num_hidden_layers": N_LAYERS,
+        "num_attention_heads": N_HEADS,
+        "intermediate_size": 2 * D_MODEL,
+        "max_position_embeddings": N_CTX,
+        **common,
+    }
+    gqa = {"num_key_value_heads": 2}
+    encoder_ids = {
+        "mask_token_id": tokenizer.mask_token_id,
+        "cls_token_id": tokenizer.cls_token_id,
+        "sep_token_id": tokenizer.sep_token_id,
+    }
+    if arch == "roberta":
+        return tf.RobertaConfig(**shape)
+    if arch == "qwen2":
+        window = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}
+        return tf.Qwen2Config(**shape, **gqa, **window)
+    if arch == "olmo":
+        return tf.OlmoConfig(**shape)
+    if arch == "mistral":
+        return tf.MistralConfig(**shape, **gqa, sliding_window=WINDOW)
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(
+            **shape,
+            **gqa,
+            head_dim=D_MODEL // N_HEADS,
+            query_pre_attn_scalar=D_MODEL // N_HEADS,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    if arch == "qwen3":
+        return tf.Qwen3Config(**shape, **gqa, head_dim=D_MODEL // N_HEADS)
+    if arch == "olmo2":
+        return tf.Olmo2Config(**shape, **gqa)
+    if arch == "gptj":
+        return tf.GPTJConfig(
+            n_embd=D_MODEL,
+            n_layer=N_LAYERS,
+            n_head=N_HEADS,
+            n_positions=N_CTX,
+            rotary_dim=4,
+            **common,
+        )
+    if arch == "eurobert":
+        return tf.EuroBertConfig(**shape, **gqa, mask_token_id=tokenizer.mask_token_id)
+    if arch == "modernbert":
+        return tf.ModernBertConfig(
+            **{**shape, "num_hidden_layers": 3},
+            **encoder_ids,
+            local_attention=2 * WINDOW,
+            global_attn_every_n_layers=2,
+        )
+    raise ValueError(f"arch must be one of {FAMILIES}; got {arch!r}.")
+
+
 _HF_CLASSES = {
     "gpt2": "GPT2LMHeadModel",
     "neox": "GPTNeoXForCausalLM",
     "llama": "LlamaForCausalLM",
     "bert": "BertForMaskedLM",
+    "roberta": "RobertaForMaskedLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "olmo": "OlmoForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "gptj": "GPTJForCausalLM",
+    "eurobert": "EuroBertForMaskedLM",
+    "modernbert": "ModernBertForMaskedLM",
 }
 
 
@@ -135,27 +238,48 @@ def _root() -> Path:
     return Path(tempfile.mkdtemp(prefix="tangentlens-models-"))
 
 
-@cache
-def hf_folder(arch: str) -> Path:
+@torch.no_grad()
+def _randomize_affine(model: torch.nn.Module, seed: int) -> None:
+    """Random biases (std 0.2) and norm weights (1 ± 0.2; Gemma's offset ones ± 0.2)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+        elif p.ndim == 1 and ("ln" in name or "norm" in name.lower()):
+            offset = 0.0 if "gemma" in type(model).__name__.lower() else 1.0
+            p.copy_(offset + 0.2 * torch.randn(p.shape, generator=gen))
+
+
+def hf_folder(arch: str, sharp: bool = False) -> Path:
     """A local HF folder with a random-weight ``arch`` model and its tokenizer (cached)."""
+    return _folder(arch, bool(sharp))
+
+
+@cache
+def _folder(arch: str, sharp: bool) -> Path:
     import transformers as tf
 
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"arch must be one of {ARCHITECTURES}; got {arch!r}.")
-    folder = _root() / arch
-    tokenizer = _build_tokenizer(folder, bert=arch == "bert")
-    config = _hf_config(arch, tokenizer)
+    if arch not in FAMILIES:
+        raise ValueError(f"arch must be one of {FAMILIES}; got {arch!r}.")
+    folder = _root() / (f"{arch}-sharp" if sharp else arch)
+    tokenizer = _build_tokenizer(folder, bert=arch in ENCODERS)
+    config = _hf_config(arch, tokenizer, sharp)
     torch.manual_seed(SEED)
     model = getattr(tf, _HF_CLASSES[arch])(config)
+    if sharp:
+        _randomize_affine(model, seed=SEED + 1)
     model.save_pretrained(folder)
     return folder
 
 
-def hf_model(arch: str) -> Any:
-    """A fresh plain HF model loaded from :func:`hf_folder` (eval mode)."""
+def hf_model(arch: str, sharp: bool = False) -> Any:
+    """A fresh plain HF model loaded from :func:`hf_folder` (eval mode; sharp ones with eager
+    attention, whose weights ``output_attentions`` returns)."""
     import transformers as tf
 
-    return getattr(tf, _HF_CLASSES[arch]).from_pretrained(hf_folder(arch)).eval()
+    cls = getattr(tf, _HF_CLASSES[arch])
+    kwargs = {"attn_implementation": "eager"} if sharp else {}
+    return cls.from_pretrained(hf_folder(arch, sharp), **kwargs).eval()
 
 
 def native_config(**overrides: Any) -> Any:
@@ -176,22 +300,31 @@ def native_config(**overrides: Any) -> Any:
     return TransformerBridgeConfig(**kwargs)
 
 
-@cache
-def tl_bridge(arch: str) -> Any:
+def tl_bridge(arch: str, sharp: bool = False) -> Any:
     """A TransformerLens bridge (cached per session): an HF arch, or ``"native"``."""
+    return _bridge(arch, bool(sharp))
+
+
+@cache
+def _bridge(arch: str, sharp: bool) -> Any:
     from transformer_lens.model_bridge import TransformerBridge
 
     if arch == "native":
         model = TransformerBridge.boot_native(native_config())
     else:
-        folder = hf_folder(arch)
+        folder = hf_folder(arch, sharp)
         model = TransformerBridge.boot_transformers(str(folder), device="cpu")
     return model.eval()
 
 
 def tokens(arch: str, batch: int = 3, pos: int = 12, seed: int = SEED) -> torch.Tensor:
     """Random token ids ``(batch, pos)`` valid for ``arch`` (no special tokens)."""
-    vocab = tl_bridge(arch).cfg.d_vocab
+    if arch in ALL_MODELS:
+        vocab = tl_bridge(arch).cfg.d_vocab
+    else:
+        import transformers as tf
+
+        vocab = tf.AutoConfig.from_pretrained(hf_folder(arch)).vocab_size
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(5, vocab, (batch, pos), generator=gen)
 

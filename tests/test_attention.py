@@ -12,18 +12,34 @@ from typing import Any
 
 import pytest
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from tangentlens.decompose import (
     TERMS,
     AttentionParams,
+    NormParams,
     decompose_parts,
     decompose_scores,
     linearize_norm,
 )
-from tangentlens.hooks.huggingface import hf_attention_module, norm_from_hf, params_from_hf
+from tangentlens.decompose import keep_mask as dkeep_mask
+from tangentlens.hooks.huggingface import (
+    hf_attention_module,
+    norm_from_hf,
+    norm_from_module,
+    params_from_hf,
+)
+from tangentlens.hooks.sites import Site
 from tangentlens.hooks.transformer_lens import attention_input_hook, params_from_bridge
-from tangentlens.probes.attention import STATISTICS, AttentionAccumulator, score_terms
+from tangentlens.interventions import keep_terms
+from tangentlens.probes.attention import (
+    STATISTICS,
+    AttentionAccumulator,
+    AttentionProbe,
+    score_terms,
+)
+from tangentlens.probes.base import Observation
 from tangentlens.subspace import TangentBasis, complement
 
 HF_ARCHS = ("gpt2", "neox", "llama", "bert")
@@ -594,3 +610,159 @@ def test_core_validates_inputs() -> None:
         decompose_parts(torch.zeros(1, 3, 16), torch.zeros(1, 3, 16), params)
     with pytest.raises(ValueError, match="W_K"):
         replace(params, W_K=params.W_K[:3])
+
+
+# ----------------------------------------------------------------------------- q/k norm
+def _qk_params(over_heads: bool, kind: str, seed: int = 8) -> AttentionParams:
+    """Random GQA params with q/k norms: RMSNorm (or LayerNorm with a bias) on queries and
+    keys, per head or over the whole projection (OLMo 2), random biases, no rotary."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0) -> Tensor:
+        return scale * torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    def norm(heads: int) -> NormParams:
+        width = heads * 8 if over_heads else 8
+        bias = rand(width, scale=0.2) if kind == "layernorm" else None
+        return NormParams(kind, 1 + rand(width, scale=0.2), bias, 1e-6)
+
+    return AttentionParams(
+        rand(4, D, 8, scale=0.3),
+        rand(2, D, 8, scale=0.3),
+        rand(4, 8, scale=0.2),
+        rand(2, 8, scale=0.2),
+        8**-0.5,
+        q_norm=norm(4),
+        k_norm=norm(2),
+        qk_norm_over_heads=over_heads,
+    )
+
+
+def _normed(t: Tensor, norm: NormParams, over_heads: bool) -> Tensor:
+    """The model's q/k norm on (batch, head, pos, e), written out plainly."""
+    heads = t.shape[1]
+    flat = rearrange(t, "b h p e -> b p (h e)") if over_heads else t
+    if norm.kind == "layernorm":
+        flat = flat - flat.mean(-1, keepdim=True)
+    flat = flat / (flat.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt() * norm.weight
+    if norm.bias is not None:
+        flat = flat + norm.bias
+    return rearrange(flat, "b p (h e) -> b h p e", h=heads) if over_heads else flat
+
+
+@pytest.mark.parametrize("over_heads", [False, True])
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_qk_norm_split_is_exact_with_frozen_scale(over_heads: bool, kind: str) -> None:
+    """Terms sum to the normalised model score; each term uses the scale of the full
+    query/key (frozen), so TT is not the score of x_T pushed through the norm alone."""
+    params = _qk_params(over_heads, kind)
+    assert params.linearised == "qk_norm"
+    x = torch.randn(2, POS, D, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    basis = random_basis(8, seed=10)
+    terms = decompose_scores(x, basis, params)
+
+    def q_k(inp: Tensor) -> tuple[Tensor, Tensor]:
+        q = torch.einsum("bpd,hde->bhpe", inp, params.W_Q) + params.b_Q[None, :, None]
+        k = torch.einsum("bpd,hde->bhpe", inp, params.W_K) + params.b_K[None, :, None]
+        return q, k
+
+    q, k = q_k(x)
+    q, k = _normed(q, params.q_norm, over_heads), _normed(k, params.k_norm, over_heads)
+    assert rel_err(sum(terms.values()), qk_scores(q, k, params)) < 1e-12
+
+    x_t = basis.split(x)[0].double()  # TT: the tangent projections over the full scale
+    dims = (1, 3) if over_heads else (3,)
+    q_full, k_full = q_k(x)
+    sigma_q, sigma_k = (
+        (t - t.mean(dims, keepdim=True) if kind == "layernorm" else t)
+        .pow(2)
+        .mean(dims, keepdim=True)
+        .add(1e-6)
+        .sqrt()
+        for t in (q_full, k_full)
+    )
+    q_t = torch.einsum("bpd,hde->bhpe", x_t, params.W_Q)
+    k_t = torch.einsum("bpd,hde->bhpe", x_t, params.W_K)
+    if kind == "layernorm":
+        q_t, k_t = (t - t.mean(dims, keepdim=True) for t in (q_t, k_t))
+
+    def scaled(t: Tensor, sigma: Tensor, norm: NormParams) -> Tensor:
+        w = rearrange(norm.weight, "(h e) -> h 1 e", h=t.shape[1]) if over_heads else norm.weight
+        return t / sigma * w
+
+    expected = qk_scores(
+        scaled(q_t, sigma_q, params.q_norm), scaled(k_t, sigma_k, params.k_norm), params
+    )
+    assert rel_err(terms["TT"], expected) < 1e-10
+
+
+def test_qk_norm_params_are_validated() -> None:
+    params = _qk_params(False, "rmsnorm")
+    with pytest.raises(ValueError, match=r"q_norm\.weight"):
+        replace(params, qk_norm_over_heads=True)
+    with pytest.raises(ValueError, match="window"):
+        replace(params, window=0)
+    assert replace(params, q_norm=None, k_norm=None).linearised is None
+
+
+def test_norm_from_module_reads_gemma_offset() -> None:
+    """Gemma's RMSNorm scales by 1 + weight, Llama's by weight: read by what they do."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gemma, llama = Gemma3RMSNorm(8, eps=1e-6), LlamaRMSNorm(8, eps=1e-6)
+    with torch.no_grad():
+        gemma.weight.normal_(0, 0.3)
+        llama.weight.normal_(1, 0.3)
+    torch.testing.assert_close(norm_from_module(gemma).weight, 1 + gemma.weight.detach())
+    torch.testing.assert_close(norm_from_module(llama).weight, llama.weight.detach())
+    x = torch.randn(3, 8)
+    for module in (gemma, llama):
+        norm = norm_from_module(module)
+        u_t, u_n, _ = linearize_norm(x, torch.zeros_like(x), norm)
+        assert rel_err(u_t + u_n, module(x).detach()) < 1e-6
+
+
+def test_keep_terms_refuses_qk_norm() -> None:
+    with pytest.raises(ValueError, match="q/k-norm"):
+        keep_terms(random_basis(4), _qk_params(False, "rmsnorm"), 0)
+
+
+# ----------------------------------------------------------------------------- local attention
+@pytest.mark.parametrize("causal", [True, False])
+def test_keep_mask_window(causal: bool) -> None:
+    """Query q sees key k when |q − k| < window (and k ≤ q when causal), minus padding."""
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    keep = dkeep_mask((2, 3, 6, 6), causal=causal, window=3, attention_mask=mask)
+    assert keep.shape == (2, 1, 6, 6)
+    for b in range(2):
+        for q in range(6):
+            for k in range(6):
+                want = abs(q - k) < 3 and (k <= q or not causal) and bool(mask[b, q] & mask[b, k])
+                assert bool(keep[b, 0, q, k]) == want
+    assert dkeep_mask((1, 1, 4, 4), causal=False).all()
+    with pytest.raises(ValueError, match="local mask"):
+        dkeep_mask((1, 1, 3, 4), causal=False, window=2)
+
+
+def test_attention_probe_respects_the_window() -> None:
+    """pattern_kl_TT and the shares run over the entries a sliding window keeps: a
+    Mistral-style layer (window 3) counts min(q + 1, 3) keys per query."""
+    params = replace(_qk_params(False, "rmsnorm"), q_norm=None, k_norm=None, window=3)
+    site = Site(0, "attn_in")
+    x = torch.randn(2, POS, D, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    windowed = AttentionProbe({site: (random_basis(8), params)})
+    windowed.update(Observation(site, x))
+    acc = windowed.state(site.hook_name)
+    assert acc.entries == 2 * sum(min(q + 1, 3) for q in range(POS))
+    terms = decompose_scores(x, random_basis(8), params)
+    full = AttentionAccumulator().update(terms, causal=True).results()
+    local = AttentionAccumulator().update(terms, causal=True, window=3).results()
+    for stat, value in acc.results().items():
+        torch.testing.assert_close(value, local[stat])
+    assert not torch.allclose(local["pattern_kl_TT"], full["pattern_kl_TT"])
+    assert not any(r["statistic"].startswith("linearised") for r in windowed.rows())
+    marked = AttentionProbe({site: (random_basis(8), _qk_params(True, "rmsnorm"))})
+    marked.update(Observation(site, x))
+    rows = [r for r in marked.rows() if r["statistic"] == "linearised_qk_norm"]
+    assert [(r["hook"], r["head"], r["value"]) for r in rows] == [(site.hook_name, None, 1.0)]

@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tangentlens import models, probes
 from tangentlens.checkpoints import Checkpoint, CheckpointSeries, _hf_loader, parse_step
+from tangentlens.corpus import encode, load_lines
+from tangentlens.errors import UnstableBasisWarning
 from tangentlens.train import TrainConfig, train
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     return train(TrainConfig.tiny(), tmp_path_factory.mktemp("run"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def masked_run(tmp_path_factory) -> Path:
+    config = TrainConfig.tiny(objective="masked")
+    return train(config, tmp_path_factory.mktemp("masked"), progress=False)
 
 
 def _fake_series(n: int, steps: list[int] | None = None) -> CheckpointSeries:
@@ -64,12 +74,16 @@ def test_hf_checkpoint_folders_with_parent_tokenizer(run, tmp_path):
 
 def test_windows_by_index_and_by_step():
     series = _fake_series(7, [0, 1, 2, 4, 8, 16, 32])
-    assert series.windows() == {"early": [0, 1, 2], "late": [4, 5, 6]}
+    # by step (default): steps <= 9.6 and >= 22.4, the late one widened to two checkpoints
+    assert series.windows() == {"early": [0, 1, 2, 3, 4], "late": [5, 6]}
+    assert series.windows(by="index") == {"early": [0, 1, 2], "late": [4, 5, 6]}
     # never overlapping, even when half of an odd count rounds up
-    assert series.windows(0.5) == {"early": [0, 1, 2], "late": [4, 5, 6]}
+    assert series.windows(0.5, by="index") == {"early": [0, 1, 2], "late": [4, 5, 6]}
+    with pytest.raises(ValueError, match="share steps"):  # by step, 0.5 meets at step 16
+        series.windows(0.5)
     with pytest.raises(ValueError, match="share steps"):
         series.windows(early=(0, 8), late=(8, 32))
-    ranged = series.windows(early=(0, 1), late=(10, 100))
+    ranged = series.windows(early=(0, 1), late=(10, 100), by="index")
     assert ranged == {"early": [0, 1], "late": [5, 6]}
     with pytest.raises(ValueError, match="at least 2") as err:
         _fake_series(3).windows(0.3)
@@ -184,3 +198,47 @@ def test_backend_hook_wraps_a_local_checkpoint(run):
     tokens = loaded.tokenizer("In the beginning", return_tensors="pt")["input_ids"]
     logits = loaded.backend_model(tokens)
     assert logits.shape[-1] == loaded.model.config.vocab_size
+
+
+def test_masked_lm_checkpoints_load_with_their_head(masked_run):
+    series = CheckpointSeries.from_folder(masked_run)
+    loaded = series.load(len(series) - 1)
+    assert type(loaded.model).__name__ == "BertForMaskedLM"
+    assert loaded.weights_hash == series[-1].metadata["weights_hash"]
+    assert loaded.tokenizer.mask_token_id == loaded.model.config.mask_token_id is not None
+    wrapped = series.load(1, backend="nnsight").backend_model
+    assert wrapped._module.config.architectures == ["BertForMaskedLM"]
+
+
+@pytest.mark.parametrize("backend", ["transformer_lens", "nnsight"])
+def test_gradient_probe_with_mlm_loss_on_a_masked_checkpoint(masked_run, backend):
+    folder = masked_run / "step24"
+    model, tokenizer = models.load(str(folder), backend=backend)
+    ids = encode(tokenizer, load_lines(max_chars=2_000))[:64].view(4, 16)
+    batches = list(ids.split(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnstableBasisWarning)
+        bases = probes.fit_bases(model, batches, rank=4, progress=False)
+    session = probes.run(
+        model, batches, bases, ("gradient",), loss="mlm", n_controls=10, progress=False
+    )
+    rows = session.results()
+    gradient = rows[rows["probe"] == "gradient"]
+    assert len(gradient) and gradient["value"].notna().all()
+
+
+def test_windows_by_step_are_early_in_training_not_the_first_files(run):
+    """Log-spaced early checkpoints: by step, early is the first 30 % of training; each
+    window keeps at least the two checkpoints nearest its end."""
+    series = CheckpointSeries.from_folder(run)
+    steps = series.steps
+    by_step = series.windows(0.3)
+    span = 0.3 * (steps[-1] - steps[0])
+    early = [steps[i] for i in by_step["early"]]
+    assert early == [s for s in steps if s <= span] or len(early) == 2
+    assert [steps[i] for i in by_step["late"]][-1] == steps[-1]
+    assert len(by_step["late"]) >= 2
+    by_index = series.windows(0.3, by="index")
+    assert len(by_index["early"]) == len(by_index["late"])
+    with pytest.raises(ValueError, match="'step' or 'index'"):
+        series.windows(0.3, by="time")

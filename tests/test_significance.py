@@ -41,17 +41,21 @@ def test_control_algebra_equals_explicit_projection():
     x = _grads(500, d, gen, torch.linspace(0.1, 2, d, dtype=torch.float64)) + 0.3
     s = Moments().update(x).covariance(ddof=1)
     frames = normal_controls(b, 7, seed=1)
-    alg = _ControlAlgebra(s, b.basis_, "normal")
+    alg = _ControlAlgebra(s, b.basis_, "normal", vectors=True)
     c = complement(b)
     _, u = torch.linalg.eigh((c.T @ s @ c + (c.T @ s @ c).T) / 2)
     g = u.T @ (c.T @ frames)  # the same frames in the algebra's coordinates
+    squares = g.pow(2).sum(-1)
     qsq = frames.transpose(1, 2) @ s @ frames
-    torch.testing.assert_close(alg.trace(g), torch.diagonal(qsq, dim1=1, dim2=2).sum(1))
+    torch.testing.assert_close(alg.trace(squares), torch.diagonal(qsq, dim1=1, dim2=2).sum(1))
     sq = s @ s
     torch.testing.assert_close(
-        alg.trace_sq(g), torch.diagonal(frames.transpose(1, 2) @ sq @ frames, dim1=1, dim2=2).sum(1)
+        alg.trace_sq(squares, g),
+        torch.diagonal(frames.transpose(1, 2) @ sq @ frames, dim1=1, dim2=2).sum(1),
     )
     torch.testing.assert_close(alg.frob_sq(g), qsq.pow(2).sum((1, 2)))
+    values_only = _ControlAlgebra(s, b.basis_, "normal")  # eigenvalues suffice for traces
+    torch.testing.assert_close(values_only.trace(squares), alg.trace(squares))
 
 
 def test_isotropy_test_matches_brute_force_isoscore_star():
@@ -238,8 +242,9 @@ def test_tangent_tests_reports_both_kinds_of_controls():
 def test_control_frames_are_drawn_once_and_reused_across_sites():
     gen = torch.Generator().manual_seed(10)
     d, k = 32, 4
-    frames = S._control_frames(d, k, 300, 11)
-    assert S._control_frames(d, k, 300, 11) is frames
+    frames, squares = S._control_frames(d, k, 300, 11)
+    assert S._control_frames(d, k, 300, 11)[0] is frames
+    torch.testing.assert_close(squares, frames.double().pow(2).sum(-1))
     eye = torch.eye(k, dtype=torch.float64).expand(300, k, k)
     torch.testing.assert_close(frames.double().mT @ frames.double(), eye, atol=1e-6, rtol=0)
     # two sites, one draw: each site's null is its own matrix over the same frames
@@ -247,9 +252,9 @@ def test_control_frames_are_drawn_once_and_reused_across_sites():
         m = Moments().update(_grads(200, d, gen, torch.rand(d, generator=gen) + 0.1))
         r = energy_test(m, _basis(d, k, gen), n_controls=300, seed=11)
         alg = _ControlAlgebra(m.second_moment(), r.null_shares.new_zeros(d, k), "uniform")
-        expected = alg.trace(frames.double()) / float(torch.trace(m.second_moment()))
+        expected = alg.trace(squares) / float(torch.trace(m.second_moment()))
         torch.testing.assert_close(r.null_shares, expected)
-    cache = S._FrameCache(max_bytes=2 * 10 * 8 * 2 * 4)  # room for two (10, 8, 2) entries
+    cache = S._FrameCache(max_bytes=2 * (10 * 8 * 2 * 8 + 10 * 8 * 8))  # two (10, 8, 2) sets
     a = cache(8, 2, 10, 0)
     cache(8, 2, 10, 1)
     assert cache(8, 2, 10, 0) is a  # a hit refreshes the entry...

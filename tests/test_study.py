@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 
 from tangentlens import results
+from tangentlens.hooks.sites import Site
 from tangentlens.probes.bases import BasisSet
 from tangentlens.study import Study, StudyConfig
 from tangentlens.study.collect import load_part
@@ -44,6 +45,7 @@ def _config(series_dir: Path, **overrides) -> StudyConfig:
         max_chars=40_000,
         reservoir=64,
         n_permutations=20,
+        windows="index",  # the paper's rule: the assertions below count checkpoints
         progress=False,
     )
     base.update(overrides)
@@ -96,6 +98,7 @@ def test_config_rejects_unknown_keys():
 # ----------------------------------------------------------------------- table
 STEPS = [0, 1, 2, 4, 8, 10, 16, 24]
 RES_SITES = [(0, "resid_pre"), (1, "resid_pre"), (1, "resid_post")]
+INPUT_HOOKS = ("ln1.hook_out", "ln2.hook_out")  # attn_in, mlp_in: the weight gradients
 GRADIENT_TESTS = (
     "tangent_share",
     "chance_share",
@@ -203,13 +206,14 @@ def test_values_are_finite_and_in_range(study):
     assert (value[corr].abs() <= 1).all()
     jackknifed = frame["statistic"].isin(
         ["tangent_share", "energy_ratio", "normalized_ratio", "delta_iso_tangent"]
-    ) & frame["probe"].isin(["gradient", "residual"])
+    ) & frame["probe"].isin(["gradient", "residual", "weight_gradient"])
     ci = frame[corr | (jackknifed & frame["ci_low"].notna())]
     tol = 1e-12
     assert ((ci["ci_low"] <= ci["value"] + tol) & (ci["value"] <= ci["ci_high"] + tol)).all()
     assert frame.loc[~(corr | jackknifed), ["ci_low", "ci_high"]].isna().all().all()
     writes = frame["site"].isin(["attn_out", "mlp_out"])  # one Moments, no groups: no CI
-    assert frame.loc[jackknifed & ~writes, "ci_low"].notna().all()
+    activation_gradient = frame["probe"].isin(["gradient", "residual"])
+    assert frame.loc[jackknifed & ~writes & activation_gradient, "ci_low"].notna().all()
     chance = frame[(frame["statistic"] == "chance_share") & (frame["probe"] == "gradient")]
     assert np.allclose(chance["value"], chance["rank"].astype(float) / D_MODEL)
 
@@ -228,7 +232,8 @@ def test_files_bases_and_manifest(study, series_dir):
     assert manifest["timings"]["total_s"] > 0
     for k in (2, 4):
         bases = BasisSet.load(out / "bases" / f"rank{k}.safetensors")
-        assert len(bases) == len(RES_SITES)
+        inputs = {f"blocks.{layer}.{n}" for layer in range(2) for n in INPUT_HOOKS}
+        assert set(bases) == {Site(layer, kind).hook_name for layer, kind in RES_SITES} | inputs
         prov = bases.provenance
         assert prov["rank"] == k and prov["early_steps"] == [0, 1, 2] and prov["seed"] == 0
         assert set(prov["weights_hashes"]) == {"0", "1", "2"}
@@ -447,6 +452,7 @@ def test_parts_from_other_weights_are_refused(series_dir, study, tmp_path):
     shutil.copytree(series_dir, series)
     copied = tmp_path / "out"
     shutil.copytree(out, copied)
+    (copied / ".tangentlens-folder.json").unlink()  # a folder from before records
     (copied / "study_config.json").write_text(
         json.dumps(
             {**json.loads((copied / "study_config.json").read_text()), "checkpoints": str(series)}

@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
+from tangentlens import train as train_module
+from tangentlens.errors import CorruptFileError
 from tangentlens.files import tensor_hash
 from tangentlens.train import TrainConfig, checkpoint_steps, train
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tangentlens.json")
+MASKED = TrainConfig.tiny(objective="masked", dropout=0.1)  # dropout: the RNG matters
 
 
 def _hashes(out: Path) -> dict[str, str]:
@@ -28,9 +31,19 @@ def _hashes(out: Path) -> dict[str, str]:
     }
 
 
+def _metadata(out: Path) -> list[dict]:
+    steps = sorted(out.glob("step*"), key=lambda p: int(p.name[4:]))
+    return [json.loads((p / "tangentlens.json").read_text()) for p in steps]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
     return train(TrainConfig.tiny(), tmp_path_factory.mktemp("tiny"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def masked_run(tmp_path_factory) -> Path:
+    return train(MASKED, tmp_path_factory.mktemp("masked"), progress=False)
 
 
 def test_schedule_is_pythia_like():
@@ -55,10 +68,14 @@ def test_config_round_trip_and_validation():
         ({"vocab_size": 100}, "at least 257"),
         ({"lr": -1.0}, "lr"),
         ({"dropout": 1.0}, "dropout"),
+        ({"objective": "mlm"}, "objective must be one of"),
+        ({"objective": "masked", "vocab_size": 257}, "at least 258"),
+        ({"d_model": 30, "n_heads": 2, "n_kv_heads": 1}, "even for rotary"),
     ]
     for kwargs, message in bad:
         with pytest.raises(ValueError, match=message):
             TrainConfig(**kwargs)
+    TrainConfig(objective="masked", d_model=30, n_heads=2)  # no rotary in BERT
 
 
 def test_every_checkpoint_is_a_complete_hf_folder(tiny_run):
@@ -105,7 +122,7 @@ def test_finished_run_is_not_redone_and_config_must_match(tiny_run):
     before = {p.name: p.stat().st_mtime_ns for p in tiny_run.glob("step*")}
     train(TrainConfig.tiny(), tiny_run, progress=False)
     assert {p.name: p.stat().st_mtime_ns for p in tiny_run.glob("step*")} == before
-    with pytest.raises(ValueError, match="different TrainConfig"):
+    with pytest.raises(ValueError, match=r"another configuration \(differs in \['seed'\]\)"):
         train(TrainConfig.tiny(seed=9), tiny_run, progress=False)
 
 
@@ -125,7 +142,7 @@ def test_rerun_checks_folders_it_would_rewrite(tiny_run, tmp_path):
     meta = json.loads((out / "step8" / "tangentlens.json").read_text())
     meta["weights_hash"] = "0" * 64
     (out / "step8" / "tangentlens.json").write_text(json.dumps(meta))
-    with pytest.raises(RuntimeError, match="delete the folder"):
+    with pytest.raises(CorruptFileError, match="delete the folder"):
         train(TrainConfig.tiny(), out, progress=False)
 
 
@@ -164,3 +181,57 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, kill_after):
     train(cfg, out, progress=False)
     assert not list(out.glob(".tmp-*"))
     assert _hashes(out) == _hashes(reference)
+
+
+def test_masked_objective_trains_a_bert_encoder(masked_run):
+    assert sorted(int(p.name[4:]) for p in masked_run.glob("step*")) == MASKED.steps
+    final = masked_run / f"step{MASKED.max_steps}"
+    config = json.loads((final / "config.json").read_text())
+    assert config["architectures"] == ["BertForMaskedLM"]
+    model = AutoModelForMaskedLM.from_pretrained(final)
+    meta = _metadata(masked_run)
+    assert tensor_hash(model.state_dict()) == meta[-1]["weights_hash"]
+    assert model.config.tie_word_embeddings
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    for folder in (final, masked_run / "tokenizer"):  # the step folder or its parent
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        assert tokenizer.mask_token == "<|mask|>"
+        assert tokenizer.mask_token_id == config["mask_token_id"] is not None
+    assert all(torch.isfinite(torch.tensor([m["loss"], m["eval_loss"]])).all() for m in meta)
+    assert meta[-1]["eval_loss"] < meta[0]["eval_loss"] - 0.5  # it learns
+
+
+def test_masked_inputs_are_seeded_per_step():
+    x = torch.arange(8 * 32).view(8, 32) + 10
+    one = train_module._inputs(MASKED, x, 1, "step 3")
+    assert torch.equal(one["input_ids"], train_module._inputs(MASKED, x, 1, "step 3")["input_ids"])
+    chosen = one["labels"] != -100
+    assert chosen.any(1).all() and 0.05 < chosen.float().mean() < 0.3
+    assert (one["input_ids"][chosen] == 1).all() and torch.equal(one["labels"][chosen], x[chosen])
+    assert torch.equal(one["input_ids"][~chosen], x[~chosen])
+    other = train_module._inputs(MASKED, x, 1, "step 4")["labels"] != -100
+    assert not torch.equal(other, chosen)
+
+
+def test_masked_resume_after_an_interrupt_matches_uninterrupted_run(masked_run, tmp_path):
+    class Interrupted(Exception):
+        pass
+
+    checkpoint = train_module._checkpoint
+
+    def interrupt_after_step8(out, step, *args):
+        checkpoint(out, step, *args)
+        if step == 8:  # the state is written: as a kill before step 9's update
+            raise Interrupted
+
+    out = tmp_path / "interrupted"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_module, "_checkpoint", interrupt_after_step8)
+        with pytest.raises(Interrupted):
+            train(MASKED, out, progress=False)
+    assert not (out / f"step{MASKED.max_steps}").exists()
+    train(MASKED, out, progress=False)
+    assert _hashes(out) == _hashes(masked_run)
+    assert [m["eval_loss"] for m in _metadata(out)] == [
+        m["eval_loss"] for m in _metadata(masked_run)
+    ]

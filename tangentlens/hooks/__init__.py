@@ -1,7 +1,8 @@
 """Where the model is touched: sites, the backend protocol, and its backends.
 
 Importing this package registers the built-in backends (TransformerLens, nnsight), so
-`get_backend` knows them; `tangentlens.hooks.huggingface` reads plain HF modules.
+`get_backend` knows them; `tangentlens.hooks.huggingface` reads plain HF modules and
+`tangentlens.hooks.layouts` says where each site lives in their blocks.
 """
 
 from . import nnsight, transformer_lens

@@ -1,47 +1,17 @@
-"""Hugging Face modules: block layouts and attention parameters.
+"""Hugging Face modules: causality and attention parameters.
 
-Shared by the nnsight backend and by anything else that reads plain HF models: where
-each `Site` lives in a block (`layout`), which linear maps read it (`input_linears`),
-and what the score decomposition needs from an attention module (`params_from_hf`,
-`norm_from_hf`, `hf_attention_module`).
-
-Site → HF module (``in`` = the module's first input, ``out`` = its first output), matching
-TransformerLens 4.x bridges of the same weights:
-
-==========  ===========  =========================  =====================  ===================
-site        GPT-2 h[l]   GPT-NeoX layers[l]         Llama layers[l]        BERT layer[l]
-==========  ===========  =========================  =====================  ===================
-embed       wte out      embed_in out               embed_tokens out       embeddings out
-resid_pre   block in     block in                   block in               block in
-attn_in     ln_1 out     input_layernorm out        input_layernorm out    attention in
-attn_out    attn out     attention out              self_attn out          attention out
-resid_mid   ln_2 in      (none: parallel residual)  post_attention_ln in   output.LayerNorm in
-mlp_in      ln_2 out     post_attention_ln out      post_attention_ln out  intermediate in
-mlp_out     mlp out      mlp out                    mlp out                output.dense out
-resid_post  block out    block out                  block out              block out
-==========  ===========  =========================  =====================  ===================
-
-BERT is post-norm: its attention input is the block input, ``attn_out`` is the attention
-block's (normalised) output, which is also ``mlp_in``, and ``resid_mid`` the sum entering
-the second LayerNorm, exactly as on the TransformerLens BERT bridge.
-
-The linear maps that read a site (`input_linears`: the weights whose gradients have the
-site's activation on their input side):
-
-==========  ===========  =========================  =====================  ===================
-site        GPT-2        GPT-NeoX                   Llama                  BERT
-==========  ===========  =========================  =====================  ===================
-attn_in     attn.c_attn  attention.query_key_value  self_attn.q/k/v_proj   attention.self.
-                                                                           query/key/value
-mlp_in      mlp.c_fc     mlp.dense_h_to_4h          mlp.gate/up_proj       intermediate.dense
-==========  ===========  =========================  =====================  ===================
+Shared by the nnsight backend and by anything else that reads plain HF models: whether
+the model masks causally (`is_causal`) and what the score decomposition needs from an
+attention module (`params_from_hf`, `norm_from_hf`, `hf_attention_module`). Where each
+`Site` lives in a block: `tangentlens.hooks.layouts`.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,179 +23,59 @@ from ..decompose import AttentionParams, NormParams, RotaryFn
 from ..errors import UsageError
 
 __all__ = [
-    "Layout",
     "first_tensor",
     "hf_attention_module",
-    "input_linears",
-    "layout",
+    "is_causal",
     "norm_from_hf",
     "norm_from_module",
     "params_from_hf",
     "unwrap",
 ]
 
-# (module path relative to the block, "in" | "out") per site kind, per block layout.
-_Where = tuple[str, str]
-
-
-@dataclass(frozen=True)
-class Layout:
-    layers: str  # path from the base model to the ModuleList of blocks
-    embed: _Where  # path from the base model
-    block: Mapping[str, _Where]
-    order: tuple[str, ...]  # block kinds in forward execution order
-    linears: Mapping[str, tuple[str, ...]]  # site kind -> paths of the linear maps reading it
-    causal: bool = True
-
-
-_PRE_NORM_ORDER = (
-    "resid_pre",
-    "attn_in",
-    "attn_out",
-    "resid_mid",
-    "mlp_in",
-    "mlp_out",
-    "resid_post",
-)
-
-
-_GPT2 = Layout(
-    "h",
-    ("wte", "out"),
-    {
-        "resid_pre": ("", "in"),
-        "attn_in": ("ln_1", "out"),
-        "attn_out": ("attn", "out"),
-        "resid_mid": ("ln_2", "in"),
-        "mlp_in": ("ln_2", "out"),
-        "mlp_out": ("mlp", "out"),
-        "resid_post": ("", "out"),
-    },
-    _PRE_NORM_ORDER,
-    {"attn_in": ("attn.c_attn",), "mlp_in": ("mlp.c_fc",)},
-)
-
-
-_NEOX_BLOCK = {
-    "resid_pre": ("", "in"),
-    "attn_in": ("input_layernorm", "out"),
-    "attn_out": ("attention", "out"),
-    "resid_mid": ("post_attention_layernorm", "in"),
-    "mlp_in": ("post_attention_layernorm", "out"),
-    "mlp_out": ("mlp", "out"),
-    "resid_post": ("", "out"),
-}
-_NEOX_LINEARS = {"attn_in": ("attention.query_key_value",), "mlp_in": ("mlp.dense_h_to_4h",)}
-
-
-_NEOX = Layout("layers", ("embed_in", "out"), _NEOX_BLOCK, _PRE_NORM_ORDER, _NEOX_LINEARS)
-
-
-_NEOX_PARALLEL = Layout(
-    "layers",
-    ("embed_in", "out"),
-    {k: v for k, v in _NEOX_BLOCK.items() if k != "resid_mid"},
-    tuple(k for k in _PRE_NORM_ORDER if k != "resid_mid"),
-    _NEOX_LINEARS,
-)
-
-
-_LLAMA = Layout(
-    "layers",
-    ("embed_tokens", "out"),
-    {
-        "resid_pre": ("", "in"),
-        "attn_in": ("input_layernorm", "out"),
-        "attn_out": ("self_attn", "out"),
-        "resid_mid": ("post_attention_layernorm", "in"),
-        "mlp_in": ("post_attention_layernorm", "out"),
-        "mlp_out": ("mlp", "out"),
-        "resid_post": ("", "out"),
-    },
-    _PRE_NORM_ORDER,
-    {
-        "attn_in": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "mlp_in": ("mlp.gate_proj", "mlp.up_proj"),
-    },
-)
-
-
-_BERT_BLOCK = {
-    "resid_pre": ("", "in"),
-    "attn_in": ("attention", "in"),
-    "attn_out": ("attention", "out"),
-    "mlp_in": ("intermediate", "in"),
-    "mlp_out": ("output.dense", "out"),
-    "resid_mid": ("output.LayerNorm", "in"),
-    "resid_post": ("", "out"),
-}
-
-
-_BERT_ORDER = (
-    "resid_pre",
-    "attn_in",
-    "attn_out",
-    "mlp_in",
-    "mlp_out",
-    "resid_mid",
-    "resid_post",
-)
-_BERT_LINEARS = {
-    "attn_in": ("attention.self.query", "attention.self.key", "attention.self.value"),
-    "mlp_in": ("intermediate.dense",),
-}
-
-
-def submodule(module: nn.Module, path: str) -> nn.Module:
-    return module.get_submodule(path) if path else module
-
-
-def layout(hf: nn.Module) -> tuple[Layout, nn.Module]:
-    """The block layout of a Hugging Face model and its base model (the layer stack)."""
-    base = getattr(hf, "base_model", hf)
-    config = getattr(hf, "config", None)
-    model_type = getattr(config, "model_type", "")
-    if model_type == "gpt2" or (hasattr(base, "wte") and hasattr(base, "h")):
-        return _GPT2, base
-    if model_type == "gpt_neox" or hasattr(base, "embed_in"):
-        parallel = bool(getattr(config, "use_parallel_residual", True))
-        return (_NEOX_PARALLEL if parallel else _NEOX), base
-    encoder = getattr(base, "encoder", None)
-    if model_type == "bert" or (
-        hasattr(base, "embeddings") and isinstance(getattr(encoder, "layer", None), nn.ModuleList)
-    ):
-        causal = bool(getattr(config, "is_decoder", False))
-        return Layout(
-            "encoder.layer", ("embeddings", "out"), _BERT_BLOCK, _BERT_ORDER, _BERT_LINEARS, causal
-        ), base
-    layers = getattr(base, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) and hasattr(base, "embed_tokens"):
-        block = layers[0]
-        parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-        extra = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-        if all(hasattr(block, p) for p in parts) and not any(hasattr(block, p) for p in extra):
-            return _LLAMA, base
-    raise UsageError(
-        f"the nnsight backend does not know the layout of {type(hf).__name__} "
-        f"(model_type {model_type!r}): supported are GPT-2, GPT-NeoX, Llama-style "
-        "(input_layernorm/self_attn/post_attention_layernorm/mlp) and BERT encoders. "
-        "Load it as a TransformerLens bridge instead (tangentlens.models.load(...))."
-    )
-
-
-def input_linears(
-    blocks: nn.ModuleList, layout: Layout, layer: int, kind: str
-) -> list[tuple[str, nn.Module]]:
-    """``(path, module)`` of each linear map of block ``layer`` that reads site ``kind``:
-    the weights whose gradients have that site's activation on their input side."""
-    if kind not in layout.linears:
-        raise UsageError(
-            f"only {sorted(layout.linears)} sites are read by linear maps; got {kind!r}."
-        )
-    return [
-        (f"{layout.layers}.{layer}.{path}", submodule(blocks[layer], path))
-        for path in layout.linears[kind]
+# model types whose attention is bidirectional unless the config says is_decoder
+_ENCODERS = frozenset(
+    [
+        "albert",
+        "bert",
+        "camembert",
+        "deberta",
+        "deberta-v2",
+        "distilbert",
+        "electra",
+        "eurobert",
+        "modernbert",
+        "mpnet",
+        "nomic_bert",
+        "roberta",
+        "xlm-roberta",
+        "xlm-roberta-xl",
     ]
+)
+
+
+def is_causal(model: Any) -> bool:
+    """Whether a Hugging Face model masks attention causally, from its config and class:
+    ``config.is_decoder`` (causal), ``use_bidirectional_attention`` (not), an encoder
+    ``model_type`` or a ``...ForMaskedLM`` class (not), else the attention module's own
+    ``is_causal``; causal when nothing says otherwise. Never from the block layout (a
+    bidirectional EuroBERT looks like Llama)."""
+    hf = unwrap(model)
+    config = getattr(hf, "config", None)
+    if getattr(config, "is_decoder", False):
+        return True
+    if getattr(config, "use_bidirectional_attention", False):
+        return False
+    names = [type(hf).__name__, *(getattr(config, "architectures", None) or [])]
+    if getattr(config, "model_type", "") in _ENCODERS or any(
+        n.endswith("ForMaskedLM") for n in names
+    ):
+        return False
+    try:
+        attn, _ = hf_attention_module(hf, 0)
+    except UsageError:
+        return True
+    flag = getattr(attn, "is_causal", getattr(getattr(attn, "self", None), "is_causal", True))
+    return bool(flag)
 
 
 def first_tensor(value: Any, where: str) -> Tensor:
@@ -237,7 +87,30 @@ def first_tensor(value: Any, where: str) -> Tensor:
     raise TypeError(f"expected a tensor (or a tuple starting with one) at {where}; got {value!r}.")
 
 
+def _inner(module: nn.Module) -> nn.Module:
+    """The HF module inside a TransformerLens bridge component (or the module itself)."""
+    inner = getattr(module, "original_component", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
+@torch.no_grad()
+def _rms_scale(module: nn.Module, weight: Tensor, eps: float) -> Tensor:
+    """The RMSNorm's effective scale, ``weight`` or ``1 + weight`` (Gemma, Qwen3-Next):
+    told apart by running its forward (no hooks) on a vector of ones, whose RMS is 1
+    (in at least float32, so half-precision weights stay distinguishable)."""
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    ones = torch.ones(1, weight.shape[-1], dtype=dtype, device=weight.device)
+    seen = module.forward(ones)[0].double() * math.sqrt(1 + eps)
+    candidates = (weight, 1 + weight.to(dtype))  # as Gemma adds it: in float32
+    gaps = [float((seen - w.double()).abs().max()) for w in candidates]
+    if min(gaps) > 0.25:
+        raise UsageError(f"{type(module).__name__} scales by neither weight nor 1 + weight.")
+    return candidates[gaps.index(min(gaps))]
+
+
 def norm_from_module(module: nn.Module) -> NormParams:
+    """`NormParams` of a LayerNorm or an RMSNorm (Gemma's ``1 + weight`` is read as such)."""
+    module = _inner(module)
     name = type(module).__name__
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     weight = None if weight is None else weight.detach()
@@ -248,8 +121,8 @@ def norm_from_module(module: nn.Module) -> NormParams:
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if eps is None:
             raise UsageError(f"cannot find the epsilon of {name}.")
-        if "Gemma" in name:
-            raise UsageError(f"{name} scales by (1 + weight); it is not supported.")
+        if weight is not None:
+            weight = _rms_scale(module, weight, float(eps))
         return NormParams("rmsnorm", weight, None, float(eps))
     raise UsageError(
         f"cannot linearize a {name}: only LayerNorm and RMSNorm are supported; "
@@ -257,23 +130,55 @@ def norm_from_module(module: nn.Module) -> NormParams:
     )
 
 
-def _module_apply_rotary(module: nn.Module) -> Callable[..., tuple[Tensor, Tensor]]:
+def _module_apply_rotary(module: nn.Module) -> Callable[..., Any]:
     fn = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
     return _llama_rotary if fn is None else fn
 
 
-def _hf_rotary(rotary_emb: nn.Module, apply: Callable[..., tuple[Tensor, Tensor]]) -> RotaryFn:
-    """Rotary from the model's own ``rotary_emb`` (cos, sin) and ``apply_rotary_pos_emb``;
-    partial rotary (cos narrower than d_head) rotates only the leading dims."""
+def _layer_type(module: nn.Module) -> str | None:
+    """The layer's attention type (``sliding_attention`` ...) where RoPE depends on it."""
+    kind = getattr(module, "layer_type", None)
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if kind is None and types is not None and index is not None:
+        kind = types[index]
+    return kind
+
+
+def _hf_rotary(
+    rotary_emb: nn.Module, apply: Callable[..., tuple[Tensor, Tensor]], layer_type: str | None
+) -> RotaryFn:
+    """Rotary from the model's own ``rotary_emb`` (cos, sin; per layer type where it takes
+    one, as Gemma 3's and ModernBERT's) and ``apply_rotary_pos_emb``; partial rotary (cos
+    narrower than d_head) rotates only the leading dims."""
+    typed = "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
     def rotary(q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = rotary_emb(q, positions)
+        cos, sin = rotary_emb(q, positions, layer_type) if typed else rotary_emb(q, positions)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         rd = cos.shape[-1]
         if rd == q.shape[-1]:
             return apply(q, k, cos, sin)
         q_r, k_r = apply(q[..., :rd], k[..., :rd], cos, sin)
         return torch.cat([q_r, q[..., rd:]], -1), torch.cat([k_r, k[..., rd:]], -1)
+
+    return rotary
+
+
+def _gptj_rotary(rotary_emb: nn.Module, apply: Callable[..., Tensor], dims: int | None) -> RotaryFn:
+    """GPT-J's rotary: ``(sin, cos)`` from its ``rotary_emb``, applied one tensor at a time
+    in (batch, pos, head, e) layout to the leading ``rotary_dim`` dims, pairs interleaved."""
+
+    def rotary(q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        sin, cos = (t.to(q.dtype) for t in rotary_emb(q, positions))
+        rd = dims or q.shape[-1]
+
+        def one(t: Tensor) -> Tensor:
+            t = rearrange(t, "b h p e -> b p h e")
+            t = torch.cat([apply(t[..., :rd], sin, cos), t[..., rd:]], -1)
+            return rearrange(t, "b p h e -> b h p e")
+
+        return one(q), one(k)
 
     return rotary
 
@@ -288,11 +193,11 @@ def _bias_heads(bias: Tensor | None, n: int) -> Tensor | None:
 
 
 def _reject_nonlinear(module: nn.Module) -> None:
-    for attr in ("q_norm", "k_norm", "q_layernorm", "k_layernorm"):
+    for attr in ("q_layernorm", "k_layernorm"):
         if getattr(module, attr, None) is not None:
             raise UsageError(
-                f"{type(module).__name__} normalises q/k ({attr}); the score is not bilinear in "
-                "the input and cannot be split into TT/TN/NT/NN."
+                f"{type(module).__name__} normalises q/k with per-head LayerNorm modules "
+                f"({attr}); only q_norm/k_norm (RMSNorm or LayerNorm) are read."
             )
     if getattr(module, "attn_logit_softcapping", None) or getattr(
         getattr(module, "config", None), "attn_logit_softcapping", None
@@ -300,14 +205,42 @@ def _reject_nonlinear(module: nn.Module) -> None:
         raise UsageError(f"{type(module).__name__} soft-caps scores; the split is not additive.")
 
 
+def _qk_norms(module: nn.Module, d_head: int) -> dict[str, Any]:
+    """``q_norm``, ``k_norm`` and ``qk_norm_over_heads`` for `AttentionParams`: Qwen3's
+    and Gemma 3's norms act on each head's d_head; OLMo 2's on the whole projection."""
+    found = {}
+    for attr in ("q_norm", "k_norm"):
+        norm = getattr(module, attr, None)
+        found[attr] = (
+            None
+            if norm is None or isinstance(_inner(norm), nn.Identity)
+            else norm_from_module(norm)
+        )
+    widths = {n.weight.numel() for n in found.values() if n is not None and n.weight is not None}
+    found["qk_norm_over_heads"] = bool(widths - {d_head})
+    return found
+
+
+def _window(module: nn.Module) -> int | None:
+    """Local attention: the module's ``sliding_window`` (None on its global layers), else
+    the config's (Mistral slides on every layer)."""
+    if hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    else:
+        window = getattr(getattr(module, "config", None), "sliding_window", None)
+    return None if window is None else int(window)
+
+
 def params_from_hf(module: nn.Module, *, rotary_emb: nn.Module | None = None) -> AttentionParams:
     """:class:`AttentionParams` from a plain Hugging Face attention module.
 
     Supports GPT2Attention (fused ``c_attn`` Conv1D), GPTNeoXAttention (fused
-    ``query_key_value`` with heads interleaved as [q_h, k_h, v_h]), Llama-style
-    ``q_proj``/``k_proj`` modules (GQA) and BertAttention/BertSelfAttention. Rotary
-    models need the model's ``rotary_emb`` (e.g. ``model.model.rotary_emb``,
-    ``model.gpt_neox.rotary_emb``; :func:`hf_attention_module` finds it).
+    ``query_key_value`` with heads interleaved as [q_h, k_h, v_h]), ModernBertAttention
+    (fused ``Wqkv``, local windows), ``q_proj``/``k_proj`` modules (Llama, Qwen, Mistral,
+    OLMo, EuroBERT, GPT-J; GQA, sliding windows, and the q/k norms of Qwen3, Gemma 3 and
+    OLMo 2, whose split is a linearisation: `AttentionParams.linearised`) and
+    BertAttention/BertSelfAttention. Rotary models need the model's ``rotary_emb``
+    (e.g. ``model.model.rotary_emb``; :func:`hf_attention_module` finds it).
     """
     rotary = None if rotary_emb is None else unwrap(rotary_emb)
     return _params_from_hf(unwrap(module), rotary).detached()
@@ -336,7 +269,18 @@ def _params_from_hf(module: nn.Module, rotary_emb: nn.Module | None) -> Attentio
             b_q, b_k, _ = rearrange(lin.bias, "(h three e) -> three h e", h=n, three=3)
         rot = _require_rotary(module, rotary_emb)
         return AttentionParams(w_q, w_k, b_q, b_k, float(module.scaling), rot, True)
-    if hasattr(module, "q_proj") and hasattr(module, "k_proj"):  # Llama family
+    if hasattr(module, "Wqkv"):  # ModernBERT: fused rows laid out ([q|k|v], head, d_head)
+        n = int(module.config.num_attention_heads)
+        lin = module.Wqkv
+        w_q, w_k, _ = rearrange(lin.weight, "(three h e) d -> three h d e", h=n, three=3)
+        b_q = b_k = None
+        if lin.bias is not None:
+            b_q, b_k, _ = rearrange(lin.bias, "(three h e) -> three h e", h=n, three=3)
+        rot = _require_rotary(module, rotary_emb)
+        causal = bool(getattr(module, "is_causal", False))
+        scale = float(module.head_dim) ** -0.5
+        return AttentionParams(w_q, w_k, b_q, b_k, scale, rot, causal, window=_window(module))
+    if hasattr(module, "q_proj") and hasattr(module, "k_proj"):  # Llama family, GPT-J
         cfg = module.config
         n = int(cfg.num_attention_heads)
         n_kv = int(getattr(cfg, "num_key_value_heads", None) or n)
@@ -344,7 +288,8 @@ def _params_from_hf(module: nn.Module, rotary_emb: nn.Module | None) -> Attentio
         b_q, b_k = _bias_heads(module.q_proj.bias, n), _bias_heads(module.k_proj.bias, n_kv)
         rot = _require_rotary(module, rotary_emb)
         causal = bool(getattr(module, "is_causal", True))
-        return AttentionParams(w_q, w_k, b_q, b_k, float(module.scaling), rot, causal)
+        extra = {"window": _window(module), **_qk_norms(module, int(w_q.shape[-1]))}
+        return AttentionParams(w_q, w_k, b_q, b_k, float(module.scaling), rot, causal, **extra)
     if hasattr(module, "query") and hasattr(module, "key"):  # BertSelfAttention
         pe = getattr(module, "position_embedding_type", "absolute")
         if pe not in (None, "absolute"):
@@ -356,8 +301,9 @@ def _params_from_hf(module: nn.Module, rotary_emb: nn.Module | None) -> Attentio
         causal = bool(getattr(module, "is_causal", False))
         return AttentionParams(w_q, w_k, b_q, b_k, scale, None, causal)
     raise UsageError(
-        f"unsupported attention module {name}: expected GPT2Attention, GPTNeoXAttention, a "
-        "q_proj/k_proj (Llama-style) module or BertAttention. Build AttentionParams by hand."
+        f"unsupported attention module {name}: expected GPT2Attention, GPTNeoXAttention, "
+        "ModernBertAttention, a q_proj/k_proj (Llama-style) module or BertAttention. Build "
+        "AttentionParams by hand."
     )
 
 
@@ -367,7 +313,10 @@ def _require_rotary(module: nn.Module, rotary_emb: nn.Module | None) -> RotaryFn
             f"{type(module).__name__} uses rotary positions: pass rotary_emb=<the model's "
             "rotary_emb module> (hf_attention_module(model, layer) returns it)."
         )
-    return _hf_rotary(rotary_emb, _module_apply_rotary(module))
+    apply = _module_apply_rotary(module)
+    if list(inspect.signature(apply).parameters)[:3] == ["tensor", "sin", "cos"]:  # GPT-J
+        return _gptj_rotary(rotary_emb, apply, getattr(module, "rotary_dim", None))
+    return _hf_rotary(rotary_emb, apply, _layer_type(module))
 
 
 def unwrap(model: Any) -> nn.Module:
@@ -414,10 +363,12 @@ def norm_from_hf(model: Any, layer: int) -> NormParams:
     attn, _ = hf_attention_module(model, layer)
     for block in unwrap(model).modules():
         if any(m is attn for m in block.children()):
-            for attr in ("ln_1", "input_layernorm"):
-                if isinstance(getattr(block, attr, None), nn.Module):
-                    return norm_from_module(getattr(block, attr))
+            for attr in ("ln_1", "input_layernorm", "attn_norm"):
+                norm = getattr(block, attr, None)
+                if isinstance(norm, nn.Module) and not isinstance(norm, nn.Identity):
+                    return norm_from_module(norm)
     raise UsageError(
-        "no pre-attention norm (ln_1 / input_layernorm) found: a post-norm model's attention "
-        "input is the residual stream itself; fit the basis there."
+        "no pre-attention norm (ln_1 / input_layernorm / attn_norm) found: the attention of "
+        "a post-norm model (BERT, OLMo 2, ModernBERT's layer 0) reads the residual stream "
+        "itself; fit the basis there."
     )

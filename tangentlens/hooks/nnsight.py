@@ -1,7 +1,8 @@
 """nnsight backend: the same sites as the TransformerLens backend on nnsight models.
 
 Works on ``nnsight.NNsight(hf_model)``, ``nnsight.TransformersModel`` and the deprecated
-``nnsight.LanguageModel`` wrapping Hugging Face GPT-2, GPT-NeoX, Llama-family and BERT
+``nnsight.LanguageModel`` wrapping Hugging Face GPT-2, GPT-J, GPT-NeoX, Llama-family
+(Llama, Qwen, Mistral, OLMo, EuroBERT), Gemma 3, OLMo 2, ModernBERT and BERT-style
 models. Two ways in:
 
 * **Hooks** (:class:`NNsightBackend`, used by ``tangentlens.probe`` / ``probes.run``):
@@ -18,7 +19,7 @@ models. Two ways in:
   Importing this module registers ``tangentlens`` with ``nnsight.register``, so
   that code ships by value (an NDIF server has no tangentlens installed).
 
-The site of each kind in each supported block layout: `tangentlens.hooks.huggingface`.
+The site of each kind in each supported block layout: `tangentlens.hooks.layouts`.
 """
 
 from __future__ import annotations
@@ -36,15 +37,8 @@ from ..decompose import AttentionParams
 from ..errors import UsageError
 from ..stats import Moments
 from .base import ModuleHandle, TensorFn, embedding_leaf, register_backend
-from .huggingface import (
-    first_tensor,
-    hf_attention_module,
-    input_linears,
-    layout,
-    params_from_hf,
-    submodule,
-    unwrap,
-)
+from .huggingface import first_tensor, hf_attention_module, is_causal, params_from_hf, unwrap
+from .layouts import input_linears, layout, submodule
 from .sites import KINDS, Site
 
 __all__ = ["NNsightBackend", "is_nnsight_model", "moments_from_saved", "trace_moments"]
@@ -80,6 +74,7 @@ class NNsightBackend:
         self.blocks: nn.ModuleList = submodule(self.base, self.layout.layers)  # type: ignore[assignment]
         config = self.module.config
         self._d_model = int(getattr(config, "hidden_size", None) or config.n_embd)
+        self._causal = is_causal(self.module)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -92,7 +87,8 @@ class NNsightBackend:
 
     @property
     def causal(self) -> bool:
-        return self.layout.causal
+        """From the model's config and class (`is_causal`), not its block layout."""
+        return self._causal
 
     def sites(self) -> list[Site]:
         """``embed`` then, per layer, the block sites in forward execution order."""
@@ -199,8 +195,8 @@ class NNsightBackend:
         return replace(params, causal=self.causal) if params.causal != self.causal else params
 
     def input_linears(self, site: Site) -> list[tuple[str, nn.Module]]:
-        """The HF linear maps that read ``site`` (`tangentlens.hooks.huggingface`): GPT-2's
-        fused ``c_attn`` (a Conv1D) and NeoX's fused ``query_key_value`` count once."""
+        """The HF linear maps that read ``site`` (`tangentlens.hooks.layouts`): fused maps
+        (GPT-2's ``c_attn``, NeoX's ``query_key_value``, ModernBERT's ``Wqkv``) count once."""
         self.locate(site)  # validates the site
         return input_linears(self.blocks, self.layout, site.layer, site.kind)
 

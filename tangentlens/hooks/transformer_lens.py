@@ -26,7 +26,9 @@ from dataclasses import replace
 from typing import Any
 
 from torch import Tensor, nn
+from transformer_lens.model_bridge import TransformerBridge
 from transformer_lens.model_bridge.sources.native.model import NativeAttention
+from transformers import AutoConfig
 
 from ..decompose import AttentionParams, NormParams
 from ..errors import UsageError
@@ -37,6 +39,7 @@ from .sites import KINDS, Site, missing_site_error
 __all__ = [
     "TransformerLensBackend",
     "attention_input_hook",
+    "boot_bridge",
     "is_transformer_lens",
     "norm_from_bridge",
     "params_from_bridge",
@@ -117,18 +120,20 @@ class TransformerLensBackend:
                     if name in hook_dict and self._usable(kind, layer, name):
                         self._points[Site(layer, kind)] = hook_dict[name]
                         break
-        # Where gradients are read. On TL 4.x bridges resid_mid is ln2.hook_in, which sits on
-        # the MLP branch only: its backward misses the skip path. In a pre-norm block
-        # resid_mid = resid_pre + attn_out, so ∂L/∂attn_out is the full ∂L/∂resid_mid.
+        # Where gradients are read. On TL 4.x bridges resid_mid is ln2.hook_in (mlp.hook_in
+        # on OLMo 2, which has no ln2), on the MLP branch only: its backward misses the skip
+        # path. Where attention writes the residual stream (every block but BERT's, whose
+        # ln1 sits inside attention) resid_mid = resid_pre + attn_out, so ∂L/∂attn_out is
+        # the full ∂L/∂resid_mid.
         self._grad_points = dict(self._points)
         for layer in range(self.n_layers):
             mid, attn_out = Site(layer, "resid_mid"), Site(layer, "attn_out")
-            ln2_in = hook_dict.get(f"blocks.{layer}.ln2.hook_in")
+            branch = [hook_dict.get(f"blocks.{layer}.{m}.hook_in") for m in ("ln2", "mlp")]
             if (
                 mid in self._points
                 and attn_out in self._points
-                and self._points[mid] is ln2_in
-                and self._pre_norm(layer)
+                and any(self._points[mid] is b for b in branch if b is not None)
+                and not _ln1_inside_attention(model, layer)
             ):
                 self._grad_points[mid] = self._points[attn_out]
 
@@ -138,10 +143,6 @@ class TransformerLensBackend:
         # TL 3.x: hook_normalized is W_Q's (W_in's) input only when the norm has no affine.
         norm = self.model.blocks[layer].ln1 if kind == "attn_in" else self.model.blocks[layer].ln2
         return type(norm).__name__.endswith("Pre")
-
-    def _pre_norm(self, layer: int) -> bool:
-        """ln1 is applied before attention (not inside it, as in BERT's post-norm)."""
-        return not _is_post_norm(self.model, layer)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -292,28 +293,38 @@ def params_from_bridge(model: Any, layer: int) -> AttentionParams:
 
 
 def _bridge_rotary_emb(model: Any) -> nn.Module | None:
+    """The bridge's rotary module, else the wrapped HF model's (GPT-J's bridge has none)."""
     rot = getattr(model, "rotary_emb", None)
+    if rot is None:
+        original = getattr(model, "original_model", None)
+        rot = getattr(getattr(original, "base_model", original), "rotary_emb", None)
     if rot is None:
         return None
     return getattr(rot, "original_component", None) or rot
 
 
-def _is_post_norm(model: Any, layer: int) -> bool:
+def _ln1_inside_attention(model: Any, layer: int) -> bool:
+    """BERT's post-norm: the bridge's ln1 is the LayerNorm inside the attention block."""
     block = model.blocks[layer]
     ln1 = getattr(block, "ln1", None)
     if ln1 is None:
-        return True
+        return False
     ln_mod = getattr(ln1, "original_component", None) or ln1
     attn_mod = getattr(block.attn, "original_component", None) or block.attn
     return any(m is ln_mod for m in attn_mod.modules())
+
+
+def _is_post_norm(model: Any, layer: int) -> bool:
+    """No norm before attention: BERT (ln1 inside it) and OLMo 2 (no ln1)."""
+    return getattr(model.blocks[layer], "ln1", None) is None or _ln1_inside_attention(model, layer)
 
 
 def attention_input_hook(model: Any, layer: int) -> str:
     """Hook name of ``layer``'s attention input, where its basis should be fitted.
 
     ``blocks.{l}.ln1.hook_out`` on pre-norm models; ``blocks.{l}.attn.hook_in`` (the
-    residual stream) on post-norm encoders such as BERT, whose ``ln1`` comes after
-    attention.
+    residual stream) on post-norm models: BERT, whose ``ln1`` comes after attention, and
+    OLMo 2, which normalises sublayer outputs only.
     """
     _tl_attention(model, layer)
     if _is_post_norm(model, layer):
@@ -339,6 +350,29 @@ def is_transformer_lens(model: Any) -> bool:
         and hasattr(model, "hook_dict")
         and hasattr(model, "run_with_hooks")
     )
+
+
+def boot_bridge(name_or_path: str, **kwargs: Any) -> Any:
+    """``TransformerBridge.boot_transformers(name_or_path, **kwargs)``, in eval mode.
+
+    What the bridge cannot boot (EuroBERT and ModernBERT on TransformerLens 4.3) is a
+    one-line `UsageError` naming the backend that runs it: nnsight on the plain
+    Hugging Face model, with eager attention so its patterns can be checked.
+    """
+    try:
+        return TransformerBridge.boot_transformers(name_or_path, **kwargs).eval()
+    except ValueError as err:
+        if "supported architecture" not in str(err):
+            raise
+        try:
+            arch = ", ".join(AutoConfig.from_pretrained(name_or_path).architectures or [])
+        except (OSError, ValueError):
+            arch = "its architecture"
+        raise UsageError(
+            f"TransformerLens cannot boot {name_or_path} ({arch}) as a bridge; use the nnsight "
+            "backend: nnsight.NNsight(AutoModelFor...from_pretrained(name_or_path, "
+            "attn_implementation='eager'))."
+        ) from None
 
 
 register_backend("transformer_lens", is_transformer_lens, TransformerLensBackend)

@@ -12,13 +12,14 @@ from .activation import ActivationProbe
 from .attention import AttentionProbe
 from .base import Observation, Probe
 from .bases import BasisSet
-from .driver import fit_bases, lm_loss, run, unpack_batch
+from .driver import LOSSES, fit_bases, lm_loss, mlm_loss, run, unpack_batch
 from .gradient import GradientProbe
 from .residual import ResidualProbe
 from .session import PROBES, ProbeSession, probe
 from .weight_gradient import WeightGradientProbe
 
 __all__ = [
+    "LOSSES",
     "PROBES",
     "ActivationProbe",
     "AttentionProbe",
@@ -31,6 +32,7 @@ __all__ = [
     "WeightGradientProbe",
     "fit_bases",
     "lm_loss",
+    "mlm_loss",
     "probe",
     "run",
     "unpack_batch",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..decompose import TERMS, AttentionParams, decompose_scores
+from ..decompose import TERMS, AttentionParams, decompose_scores, keep_mask
 from ..errors import CorruptFileError, UsageError
 from ..hooks.sites import Site
 from ..hooks.transformer_lens import norm_from_bridge, params_from_bridge
@@ -74,33 +74,11 @@ def score_terms(
 
 
 # --------------------------------------------------------------------------- statistics
-def _keep_mask(
-    shape: torch.Size, attention_mask: Tensor | None, causal: bool, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """(entry mask (batch, 1, q, k), row mask (batch, 1, q)): True where kept."""
-    batch, _, n_q, n_k = shape
-    keep = torch.ones(batch, 1, n_q, n_k, dtype=torch.bool, device=device)
-    if causal:
-        if n_q != n_k:
-            raise UsageError(f"a causal mask needs q_pos == k_pos; got {n_q} and {n_k}.")
-        keep &= torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
-    if attention_mask is not None:
-        am = torch.as_tensor(attention_mask, device=device)
-        if tuple(am.shape) != (batch, n_k) or n_q != n_k:
-            raise UsageError(
-                f"attention_mask must be (batch, pos) = ({batch}, {n_k}) with 1 for real tokens "
-                f"and 0 for padding; got {tuple(am.shape)}."
-            )
-        valid = am.bool()
-        keep &= valid[:, None, :, None] & valid[:, None, None, :]
-    return keep, keep.any(-1)
-
-
 class AttentionAccumulator:
     """Streaming per-head statistics of the score decomposition (mergeable, float64).
 
-    Over the entries the model does not mask (causal mask and padding; padded query
-    rows are dropped too), with E_t = Σ t² the energy of term t:
+    Over the entries the model does not mask (causal mask, local window and padding;
+    padded query rows are dropped too), with E_t = Σ t² the energy of term t:
 
     - ``score_share_t`` = E_t / Σ_u E_u for t in TT, TN, NT, NN, bias (sums to 1; the
       cross terms' energy is the normaliser, not ‖s‖², which also has cross products);
@@ -145,9 +123,12 @@ class AttentionAccumulator:
         terms: Mapping[str, Tensor],
         attention_mask: Tensor | None = None,
         causal: bool = True,
+        window: int | None = None,
     ) -> AttentionAccumulator:
         """Add one batch of terms (from :func:`score_terms`); ``attention_mask`` is the
-        HF-style ``(batch, pos)`` padding mask (1 = token, 0 = padding)."""
+        HF-style ``(batch, pos)`` padding mask (1 = token, 0 = padding); ``causal`` and
+        ``window`` are the layer's (`AttentionParams`), so ``pattern_kl_TT`` compares the
+        patterns the model computes."""
         missing = [t for t in TERMS if t not in terms]
         if missing:
             raise UsageError(f"terms lacks {missing}; pass the dict score_terms returns.")
@@ -164,7 +145,10 @@ class AttentionAccumulator:
             raise UsageError(f"terms have {shape[1]} heads; this accumulator has {self.n_heads}.")
         dev = self._energy.device
         ts = [t.to(dev) for t in ts]
-        keep, rows = _keep_mask(shape, attention_mask, causal, dev)
+        keep = keep_mask(
+            tuple(shape), causal=causal, window=window, attention_mask=attention_mask, device=dev
+        )
+        rows = keep.any(-1)
         for i, t in enumerate(ts):
             self._energy[i] += torch.where(keep, t * t, 0.0).sum((0, 2, 3))
         scores = sum(ts[1:], ts[0])
@@ -257,7 +241,10 @@ class AttentionProbe(Probe):
     """Per-head score statistics at attention-input sites (``attn_in``).
 
     ``layers`` maps each site to ``(basis, params)``: the tangent basis fitted at that
-    attention input and the layer's `AttentionParams` (from the backend).
+    attention input and the layer's `AttentionParams` (from the backend). Where the split
+    is a linearisation (q/k norms, their scale frozen per token and head: Qwen3, Gemma 3,
+    OLMo 2), the site also gets a row ``statistic="linearised_qk_norm"``, ``value=1``
+    (head <NA>), so a table says which numbers rest on it.
     """
 
     name = "attention"
@@ -282,7 +269,9 @@ class AttentionProbe(Probe):
     def update(self, obs: Observation) -> None:
         basis, params = self.layers[obs.site]
         terms = decompose_scores(obs.tensor, basis, params)
-        self.state(obs.site.hook_name).update(terms, obs.mask, causal=params.causal)
+        self.state(obs.site.hook_name).update(
+            terms, obs.mask, causal=params.causal, window=params.window
+        )
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
@@ -295,4 +284,7 @@ class AttentionProbe(Probe):
                     row(self.name, Site(site.layer, site.kind, h), stat, float(v))
                     for h, v in enumerate(per_head.tolist())
                 ]
+            linearised = self.layers[site][1].linearised
+            if linearised is not None:
+                out.append(row(self.name, site, f"linearised_{linearised}", 1.0))
         return out

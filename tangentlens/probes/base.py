@@ -13,22 +13,24 @@ probe: shards, processes and checkpoints combine exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from ..errors import CorruptFileError, UsageError
 from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
 from ..stats import Moments, SharedBatch
 
-__all__ = ["Mergeable", "Observation", "Probe", "Sum", "row"]
+__all__ = ["Mergeable", "Observation", "Probe", "Sum", "ci_columns", "row", "sites_bar"]
 
 M = TypeVar("M")
+T = TypeVar("T")
 
 
 @dataclass
@@ -65,6 +67,11 @@ def row(probe: str, site: Site, statistic: str, value: float, **extra: Any) -> d
         "value": value,
         **extra,
     }
+
+
+def ci_columns(interval: tuple[float, float] | None) -> dict[str, float]:
+    """``ci_low`` / ``ci_high`` entries of a row, or none without an interval."""
+    return {} if interval is None else {"ci_low": interval[0], "ci_high": interval[1]}
 
 
 class Mergeable(Protocol):
@@ -119,6 +126,7 @@ class Probe:
     """Base class of every probe; subclasses set ``name`` and register their state."""
 
     name: ClassVar[str] = "probe"
+    progress: bool = False  # a bar over the sites in rows() when they take a while
 
     def __init__(self) -> None:
         self._states: dict[str, Mergeable] = {}
@@ -197,6 +205,13 @@ class Probe:
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> Probe:
         """Replace the state by ``state`` (from `state_dict` of the same probe)."""
+        known = tuple(f"{key}/" for key in self._factories)
+        extra = sorted(k for k in state if not k.startswith(known))
+        if extra:
+            raise CorruptFileError(
+                f"the saved state holds {extra[:3]}, which this {type(self).__name__} does not "
+                "hold: load a state saved by a probe built the same way (sites, n_groups)."
+            )
         for key, make in self._factories.items():
             prefix = f"{key}/"
             own = {k.removeprefix(prefix): t for k, t in state.items() if k.startswith(prefix)}
@@ -224,3 +239,11 @@ class Probe:
     def __repr__(self) -> str:
         sites = sorted({s.hook_name for s in self.forward_sites + self.backward_sites})
         return f"{type(self).__name__}({len(sites)} sites)"
+
+
+def sites_bar(items: Iterable[T], probe: Probe) -> Iterable[T]:
+    """``items`` behind a progress bar named after ``probe``, shown only when the loop
+    takes more than two seconds (and ``probe.progress`` is on)."""
+    return tqdm(
+        list(items), desc=f"{probe.name} tests", delay=2.0, disable=not probe.progress, leave=False
+    )

@@ -1,5 +1,6 @@
 """Drive a model over batches: `run` (probes with a progress bar), `fit_bases` (one
-pass, PCA per site) and `lm_loss` (the default next-token loss).
+pass, PCA per site), `lm_loss` (the default next-token loss) and `mlm_loss` (the
+built-in masked-token loss for encoders).
 
 Batches are ``(batch, pos)`` token-id tensors or dicts with ``input_ids`` and
 ``attention_mask``. Gradients are taken with respect to the embedding output only, so
@@ -9,6 +10,7 @@ the parameters' ``.grad`` stay as the caller's code leaves them.
 from __future__ import annotations
 
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +28,7 @@ from ..version import __version__
 from .bases import BasisSet
 from .session import ProbeSession
 
-__all__ = ["fit_bases", "lm_loss", "run", "unpack_batch"]
+__all__ = ["LOSSES", "fit_bases", "lm_loss", "mlm_loss", "run", "unpack_batch"]
 
 
 def unpack_batch(batch: Any) -> tuple[Tensor, Tensor | None]:
@@ -70,12 +72,7 @@ def lm_loss(model: Any, batch: Any) -> Tensor:
     ids, mask = unpack_batch(batch)
     ids = ids.to(_device(model))
     out = _forward(model, ids, None if mask is None else mask.to(ids.device))
-    logits = getattr(out, "logits", out)  # Hugging Face models return a ModelOutput
-    if not isinstance(logits, Tensor) or logits.ndim != 3:
-        raise UsageError(
-            "the model did not return (batch, pos, vocab) logits; pass loss=callable(model, "
-            "batch) -> scalar."
-        )
+    logits = _logits(out, "the next-token loss")
     logp = logits[:, :-1].float().log_softmax(-1)
     nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
     if mask is not None:
@@ -84,13 +81,123 @@ def lm_loss(model: Any, batch: Any) -> Tensor:
     return nll.sum()
 
 
+def _logits(out: Any, what: str) -> Tensor:
+    logits = getattr(out, "logits", out)  # Hugging Face models return a ModelOutput
+    if not isinstance(logits, Tensor) or logits.ndim != 3:
+        raise UsageError(
+            f"the model did not return (batch, pos, vocab) logits, which {what} needs; pass "
+            "loss=callable(model, batch) -> scalar."
+        )
+    return logits
+
+
+def _hf(model: Any) -> Any:
+    """The Hugging Face model of a bridge (its wrapped model) or an nnsight model, or
+    ``model`` itself."""
+    return getattr(model, "original_model", None) or getattr(model, "_module", None) or model
+
+
+def _has_lm_head(hf: Any) -> bool:
+    """Whether the checkpoint has an LM head: its class has output embeddings and the
+    saved ``architectures`` are not bare encoders (``BertModel``: a bridge would boot it
+    with a freshly initialised head)."""
+    head = getattr(hf, "get_output_embeddings", None)
+    if callable(head) and head() is None:
+        return False
+    saved = getattr(getattr(hf, "config", None), "architectures", None) or []
+    return not saved or any("For" in a or "LMHead" in a for a in saved)
+
+
+def _vocab_and_mask_id(model: Any) -> tuple[int | None, int | None, set[int]]:
+    """(vocabulary size, mask token id, special token ids) from the model's tokenizer (a
+    TransformerLens bridge's or nnsight ``TransformersModel``'s) or its config."""
+    config, tok = getattr(_hf(model), "config", None), getattr(model, "tokenizer", None)
+    vocab = getattr(getattr(model, "cfg", None), "d_vocab", None) or getattr(
+        config, "vocab_size", None
+    )
+    mask_id = getattr(tok, "mask_token_id", None)
+    if mask_id is None:
+        mask_id = getattr(config, "mask_token_id", None)
+    special = set(getattr(tok, "all_special_ids", None) or [])
+    for name in ("pad", "bos", "eos", "cls", "sep", "unk"):
+        value = getattr(config, f"{name}_token_id", None)
+        if isinstance(value, int):
+            special.add(value)
+    return vocab, mask_id, special | ({mask_id} if mask_id is not None else set())
+
+
+def mlm_loss(
+    model: Any,
+    batch: Any,
+    *,
+    rate: float = 0.15,
+    seed: int = 0,
+    mask_token_id: int | None = None,
+) -> Tensor:
+    """Summed masked-token cross-entropy, the encoders' built-in loss (``loss="mlm"``).
+
+    A fraction ``rate`` of each sequence's non-special, unpadded positions (at least one)
+    is replaced by the mask token and predicted from the rest; the loss sums the
+    cross-entropy at those positions (summed, like `lm_loss`). The mask is drawn from
+    ``seed`` and the batch's token ids, so every backend and every rerun masks the same
+    positions. The mask token comes from the model's tokenizer or config
+    (``mask_token_id`` overrides). Needs a masked-LM head (``...ForMaskedLM``): a model
+    without one (a bare encoder such as MiniLM's ``BertModel``) is a `UsageError`.
+    """
+    if not 0 < rate < 1:
+        raise UsageError(f"rate must be in (0, 1); got {rate}.")
+    ids, mask = unpack_batch(batch)
+    ids = ids.cpu()
+    hf = _hf(model)
+    if not _has_lm_head(hf):
+        saved = getattr(getattr(hf, "config", None), "architectures", None)
+        name = ", ".join(saved or [type(hf).__name__])
+        raise UsageError(
+            f"loss='mlm' needs a masked-LM head, and the checkpoint ({name}) has none: "
+            "load the model with its head (AutoModelForMaskedLM) or pass "
+            "loss=callable(model, batch) -> scalar."
+        )
+    vocab, found, special = _vocab_and_mask_id(model)
+    mask_id = found if mask_token_id is None else int(mask_token_id)
+    if mask_id is None:
+        raise UsageError(
+            "loss='mlm' needs the mask token id, which neither the model's tokenizer nor its "
+            "config has: pass loss=functools.partial(mlm_loss, mask_token_id=...)."
+        )
+    eligible = ~torch.isin(ids, torch.tensor(sorted(special), dtype=ids.dtype))
+    if mask is not None:
+        eligible &= mask.cpu().bool()
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(ids.numpy().tobytes()))
+    draw = torch.rand(ids.shape, generator=gen)
+    chosen = eligible & (draw < rate)
+    first = torch.where(eligible, draw, 2.0).argmin(1)  # each sequence's lowest draw
+    rows = eligible.any(1) & ~chosen.any(1)
+    chosen[rows, first[rows]] = True
+    device = _device(model)
+    masked = ids.masked_fill(chosen, mask_id).to(device)
+    out = _forward(model, masked, None if mask is None else mask.to(device))
+    logits = _logits(out, "loss='mlm'")
+    if vocab is not None and logits.shape[-1] != vocab:
+        raise UsageError(
+            f"loss='mlm' needs a masked-LM head, but {type(model).__name__} returns "
+            f"{logits.shape[-1]} features per token, not {vocab} vocabulary logits; load the "
+            "model with its head (AutoModelForMaskedLM) or pass loss=callable(model, batch)."
+        )
+    chosen = chosen.to(device)
+    logp = logits[chosen].float().log_softmax(-1)
+    return -logp.gather(-1, ids.to(device)[chosen][:, None]).sum()
+
+
+LOSSES: dict[str, Callable[[Any, Any], Tensor]] = {"lm": lm_loss, "mlm": mlm_loss}
+
+
 def run(
     model: Any,
     batches: Iterable[Any],
     bases: Mapping[str | Site, TangentBasis] | None,
     probes: Sequence[str] = ("residual", "attention", "gradient"),
     *,
-    loss: Callable[[Any, Any], Tensor] | None = None,
+    loss: Callable[[Any, Any], Tensor] | str | None = None,
     layers: int | Iterable[int] | None = None,
     progress: bool = True,
     **options: Any,
@@ -100,18 +207,25 @@ def run(
     Each batch is a ``(batch, pos)`` tensor of token ids or a dict with ``input_ids``
     and ``attention_mask``. Without the gradient probe: one forward under ``no_grad``.
     With it: the loss, then gradients with respect to the embedding output only (model
-    parameters' ``.grad`` are left untouched). ``loss(model, batch) -> scalar`` defaults
-    to the summed next-token loss (`lm_loss`) for causal models; encoders need one.
+    parameters' ``.grad`` are left untouched). ``loss``: ``"lm"`` (the summed next-token
+    loss, `lm_loss`; the default for causal models), ``"mlm"`` (the seeded masked-token
+    loss, `mlm_loss`, for encoders with a masked-LM head) or ``callable(model, batch) ->
+    scalar``. A probe that cannot run on this model is skipped with one warning
+    (`ProbeSession.skipped`); the others run.
     """
+    if isinstance(loss, str) and loss not in LOSSES:
+        raise UsageError(f"loss must be one of {sorted(LOSSES)} or a callable; got {loss!r}.")
     session = ProbeSession(model, bases, probes, layers, **options)
     wants_grad = any(p.reads_backward for p in session.probes.values())
     if wants_grad and loss is None:
         if not session.backend.causal:
             raise UsageError(
-                "the gradient probe on an encoder needs a loss: pass loss=callable(model, "
-                "batch) -> scalar (e.g. a masked-token loss), or drop 'gradient' from probes."
+                "the gradient probe on an encoder needs a loss: pass loss='mlm' (the built-in "
+                "masked-token loss) or loss=callable(model, batch) -> scalar, or drop "
+                "'gradient' from probes."
             )
-        loss = lm_loss
+        loss = "lm"
+    loss = LOSSES[loss] if isinstance(loss, str) else loss
     session.leaves = [] if wants_grad else None
     total = len(batches) if hasattr(batches, "__len__") else None
     device = _device(model)

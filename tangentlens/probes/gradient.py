@@ -36,7 +36,7 @@ from ..stats import Moments
 from ..subspace import TangentBasis
 from ..uncertainty import share_intervals
 from ..validation import check_int
-from .base import Observation, Probe, Sum, row
+from .base import Observation, Probe, Sum, ci_columns, row, sites_bar
 from .residual import energy_sums
 
 __all__ = ["GradientProbe"]
@@ -101,7 +101,7 @@ class GradientProbe(Probe):
     def rows(self) -> list[dict[str, Any]]:
         out = []
         acts = self.moments("act")
-        for site, grads in self.moments("grad").items():
+        for site, grads in sites_bar(self.moments("grad").items(), self):
             if grads.count == 0:
                 continue
             values = tangent_tests(
@@ -113,7 +113,7 @@ class GradientProbe(Probe):
             )
             values["n_tokens"] = float(grads.count)
             cis = self._intervals(site)
-            out += [row(self.name, site, k, v, **_ci(cis.get(k))) for k, v in values.items()]
+            out += [row(self.name, site, k, v, **ci_columns(cis.get(k))) for k, v in values.items()]
         return out
 
     def _intervals(self, site: Site) -> dict[str, tuple[float, float]]:
@@ -123,9 +123,3 @@ class GradientProbe(Probe):
             return {}
         basis = self.bases[site]
         return share_intervals(seen[:, :2], k=basis.k, d=basis.d, activation_sums=seen[:, 2:])
-
-
-def _ci(interval: tuple[float, float] | None) -> dict[str, float]:
-    if interval is None:
-        return {}
-    return {"ci_low": interval[0], "ci_high": interval[1]}

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..compute import threads as compute_threads
 from ..errors import UsageError
 from ..hooks.base import Backend, Handle, get_backend
 from ..hooks.sites import (
@@ -110,6 +111,7 @@ class ProbeSession:
         self.n_groups = check_int(n_groups, "n_groups", minimum=2)
         self.group_of = group_of
         self.bases = as_bases(bases)
+        self.skipped: dict[str, str] = {}  # probe name -> why it cannot run on this model
         self.probes: dict[str, Probe] = (
             self._plan(self.bases, sites, n_controls, seed, reservoir) if names else {}
         )
@@ -173,24 +175,32 @@ class ProbeSession:
                 ),
             )
         if "attention" in self.names:
-            layers = {
-                s: (b, self.backend.attention_params(s.layer))
-                for s, b in scoped.items()
-                if s.kind == "attn_in"
-            }
-            self._add(planned, "attention", layers, lambda: AttentionProbe(layers))
+            inputs = {s: b for s, b in scoped.items() if s.kind == "attn_in"}
+            self._add(
+                planned,
+                "attention",
+                inputs,
+                lambda: AttentionProbe(
+                    {s: (b, self.backend.attention_params(s.layer)) for s, b in inputs.items()}
+                ),
+            )
         if "weight_gradient" in self.names:
             read = {s: b for s, b in scoped.items() if s.kind in INPUT_KINDS}
             self._add(
                 planned,
                 "weight_gradient",
                 read,
-                lambda: WeightGradientProbe(read, self.backend, n_controls=n_controls, seed=seed),
+                lambda: WeightGradientProbe(
+                    read, self.backend, n_controls=n_controls, seed=seed, n_groups=self.n_groups
+                ),
             )
         if "activation" in self.names:
             act_sites = sorted(scoped if bases else in_scope, key=site_order)
             planned["activation"] = ActivationProbe(act_sites, reservoir=reservoir, seed=seed)
         if not any(p.forward_sites or p.backward_sites for p in planned.values()):
+            if self.skipped:
+                reasons = "; ".join(f"{k}: {v}" for k, v in self.skipped.items())
+                raise UsageError(f"nothing to probe on {_model_name(self.model)}: {reasons}")
             raise UsageError(
                 f"nothing to probe: no basis in {sorted(s.hook_name for s in bases) or 'bases'} "
                 f"matches probes={self.names} at layers {self.layers}. Fit bases at those "
@@ -201,8 +211,19 @@ class ProbeSession:
     def _add(
         self, planned: dict[str, Probe], name: str, sites: Mapping, make: Callable[[], Probe]
     ) -> None:
+        """Plan probe ``name`` where it has sites. One that cannot run on this model (an
+        attention module the split does not know, say) is skipped with one warning naming
+        the model and the reason (also in ``self.skipped``); the other probes still run."""
         if sites:
-            planned[name] = make()
+            try:
+                planned[name] = make()
+            except UsageError as err:
+                self.skipped[name] = str(err)
+                warnings.warn(
+                    f"{_model_name(self.model)}: the {name} probe cannot run on this model "
+                    f"and is skipped ({err}); the other probes run.",
+                    stacklevel=4,
+                )
             return
         needed = {
             "attention": "attn_in (blocks.{l}.ln1.hook_out)",
@@ -390,22 +411,36 @@ class ProbeSession:
             else:
                 p.load_state_dict(state[name])
 
-    def results(self, *, tag: str | None = None, step: int | None = None) -> Any:
+    def results(
+        self,
+        *,
+        tag: str | None = None,
+        step: int | None = None,
+        threads: int | None = 1,
+        progress: bool = True,
+    ) -> Any:
         """The long results table (`tangentlens.results`): one row per number, ``head``
         <NA> except for per-head attention statistics; with tags, one block of rows per
         tag (``tag=`` / ``step=`` select one). Raises `UsageError` when the session saw no
-        forward pass, no backward pass where gradients were asked, or lost its hooks."""
+        forward pass, no backward pass where gradients were asked, or lost its hooks.
+
+        ``threads``: torch/BLAS threads for the tests' d × d algebra (1: fastest at
+        d ≤ ~1,000 on CPU, see `tangentlens.compute`; None: leave them); ``progress``: a
+        bar over the sites when the tests take more than a couple of seconds."""
         self._check_seen()
+        for p in self.probes.values():
+            p.progress = progress
         current = self._state()
         tags = {**self._saved, self._tag: current}
         rows: list[dict[str, Any]] = []
         try:
-            for (label, at), state in tags.items():
-                if (tag is not None and label != tag) or (step is not None and at != step):
-                    continue
-                self._load(state)
-                extra = {k: v for k, v in (("tag", label), ("step", at)) if v is not None}
-                rows += [{**r, **extra} for p in self.probes.values() for r in p.rows()]
+            with compute_threads(threads):
+                for (label, at), state in tags.items():
+                    if (tag is not None and label != tag) or (step is not None and at != step):
+                        continue
+                    self._load(state)
+                    extra = {k: v for k, v in (("tag", label), ("step", at)) if v is not None}
+                    rows += [{**r, **extra} for p in self.probes.values() for r in p.rows()]
         finally:
             self._load(current)
         return frame(rows + self._basis_rows())
@@ -459,6 +494,13 @@ def probe(
     ``seed`` for the gradient tests, ``reservoir`` (activation sample size per site).
     """
     return ProbeSession(model, bases, probes, layers, **options)
+
+
+def _model_name(model: Any) -> str:
+    """The wrapped Hugging Face class (and its name or path), for messages."""
+    inner = getattr(model, "original_model", None) or getattr(model, "_module", None) or model
+    path = getattr(getattr(inner, "config", None), "name_or_path", "")
+    return f"{type(inner).__name__} ({path})" if path else type(inner).__name__
 
 
 def _lost(handles: Sequence[Handle]) -> bool:

@@ -16,6 +16,11 @@ maps at ``mlp_in``. S is tested like a gradient second moment (`significance.mat
   of X, E[G Gᵀ] ∝ XᵀX and the ratio would be 1;
 - ``n_passes``: backward passes folded in.
 
+Intervals: with ``n_groups`` ≥ 2, S is kept per group of sequences (forward pass i joins
+group i mod G, or the session's ``group_of``) and ``tangent_share`` / ``energy_ratio``
+get 95 % delete-a-group jackknife intervals (`tangentlens.uncertainty`); memory G·d² per
+site.
+
 X and Δ come from hooks on the maps themselves (`Backend.input_linears`): a forward hook
 keeps the detached input and hooks the output tensor; when Δ arrives, G is folded in and
 the input dropped. No parameter's ``.grad`` is read or written, so it works inside `run`
@@ -35,13 +40,14 @@ from torch import Tensor, nn
 from ..errors import UsageError
 from ..hooks.base import Backend, Handle, ModuleHandle
 from ..hooks.sites import INPUT_KINDS, Site
-from ..significance import matrix_tests
+from ..significance import energy_ratio, matrix_tests
 from ..stats import Moments
-from ..subspace import TangentBasis
+from ..subspace import TangentBasis, tangent_share
+from ..uncertainty import jackknife_interval
 from ..validation import check_int
-from .base import Observation, Probe, Sum, row
+from .base import Observation, Probe, Sum, ci_columns, row, sites_bar
 
-__all__ = ["WeightGradientProbe"]
+__all__ = ["WeightGradientProbe", "matrix_intervals"]
 
 
 class WeightGradientProbe(Probe):
@@ -57,6 +63,7 @@ class WeightGradientProbe(Probe):
         *,
         n_controls: int = 1000,
         seed: int = 0,
+        n_groups: int = 1,
     ) -> None:
         super().__init__()
         for site in bases:
@@ -69,10 +76,12 @@ class WeightGradientProbe(Probe):
         self.bases = dict(bases)
         self.n_controls = check_int(n_controls, "n_controls", minimum=1)
         self.seed = check_int(seed, "seed", minimum=0)
-        self._masks: dict[Site, Tensor | None] = {}
+        self.n_groups = check_int(n_groups, "n_groups", minimum=1)
+        self._masks: dict[Site, tuple[Tensor | None, int]] = {}
         for site, basis in self.bases.items():
             self.add_state(f"act/{site.hook_name}", Moments)
-            self.add_state(f"wgrad/{site.hook_name}", lambda d=basis.d: Sum((d, d)))
+            for g in range(self.n_groups):
+                self.add_state(f"wgrad/{g}/{site.hook_name}", lambda d=basis.d: Sum((d, d)))
             self.add_state(f"passes/{site.hook_name}", Sum)
 
     @property
@@ -104,12 +113,12 @@ class WeightGradientProbe(Probe):
                 torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad
             ):
                 return
-            kept = [(args[0].detach(), self._masks.get(site))]
+            kept = [(args[0].detach(), *self._masks.get(site, (None, 0)))]
 
             def on_grad(delta: Tensor) -> None:
                 if kept:  # once per forward: a second backward of a kept graph is not read
-                    x, mask = kept.pop()
-                    self._fold(site, x, delta, mask, counts_pass)
+                    x, mask, group = kept.pop()
+                    self._fold(site, x, delta, mask, group, counts_pass)
 
             handle.add_tensor_hook(output, on_grad)
 
@@ -117,7 +126,13 @@ class WeightGradientProbe(Probe):
         return handle
 
     def _fold(
-        self, site: Site, x: Tensor, delta: Tensor, mask: Tensor | None, counts_pass: bool
+        self,
+        site: Site,
+        x: Tensor,
+        delta: Tensor,
+        mask: Tensor | None,
+        group: int,
+        counts_pass: bool,
     ) -> None:
         """S += G Gᵀ with G = XᵀΔ over the kept positions, in float64."""
         with torch.no_grad():
@@ -127,7 +142,7 @@ class WeightGradientProbe(Probe):
                 keep = mask.reshape(-1).to(x.device)
                 x, delta = x[keep], delta[keep]
             g = x.double().T @ delta.to(x.device, torch.float64)
-            self.state(f"wgrad/{site.hook_name}").add(g @ g.T)
+            self.state(f"wgrad/{group % self.n_groups}/{site.hook_name}").add(g @ g.T)
             if counts_pass:
                 self.state(f"passes/{site.hook_name}").add(torch.ones((), device=g.device))
 
@@ -135,16 +150,20 @@ class WeightGradientProbe(Probe):
         return any(float(self.state(f"passes/{s.hook_name}").value) > 0 for s in self.bases)
 
     def update(self, obs: Observation) -> None:
-        self._masks[obs.site] = obs.mask  # the maps that read the site run next
+        self._masks[obs.site] = (obs.mask, obs.group)  # the maps that read the site run next
         self.state(f"act/{obs.site.hook_name}").add_batch(*obs.statistics())
 
+    def group_matrices(self, site: Site) -> list[Tensor]:
+        """S of each group of sequences at ``site``."""
+        return [self.state(f"wgrad/{g}/{site.hook_name}").value for g in range(self.n_groups)]
+
     def matrices(self) -> dict[Site, Tensor]:
-        """Site → S = Σ G Gᵀ (d × d, float64), summed over passes and maps."""
-        return {s: self.state(f"wgrad/{s.hook_name}").value for s in self.bases}
+        """Site → S = Σ G Gᵀ (d × d, float64), summed over passes, maps and groups."""
+        return {s: sum(self.group_matrices(s)) for s in self.bases}
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
-        for site, s in self.matrices().items():
+        for site, s in sites_bar(self.matrices().items(), self):
             passes = float(self.state(f"passes/{site.hook_name}").value)
             if passes == 0:
                 continue
@@ -157,5 +176,22 @@ class WeightGradientProbe(Probe):
                 activation_moments=acts if acts.count else None,
             )
             values["n_passes"] = passes
-            out += [row(self.name, site, k, v) for k, v in values.items()]
+            cis = matrix_intervals(self.group_matrices(site), self.bases[site])
+            out += [row(self.name, site, k, v, **ci_columns(cis.get(k))) for k, v in values.items()]
         return out
+
+
+def matrix_intervals(groups: list[Tensor], basis: TangentBasis) -> dict[str, tuple[float, float]]:
+    """Jackknife intervals of ``tangent_share`` and ``energy_ratio`` of S = Σ_g S_g over the
+    groups that saw data (none with fewer than two)."""
+    seen = [m for m in groups if float(torch.trace(m)) > 0]
+    if len(seen) < 2:
+        return {}
+    total = sum(seen)
+    shares = [tangent_share(total - m, basis) for m in seen]
+    share = tangent_share(total, basis)
+    ratios = [energy_ratio(x, basis.k, basis.d) for x in shares]
+    return {
+        "tangent_share": jackknife_interval(shares, share),
+        "energy_ratio": jackknife_interval(ratios, energy_ratio(share, basis.k, basis.d)),
+    }

@@ -28,9 +28,10 @@ from .figures import Rendered, render_figures
 from .summary import Claim, summary
 from .table import prepare, ranks, steps
 
-__all__ = ["MANIFEST_FILE", "load_results", "write_report"]
+__all__ = ["MANIFEST_FILE", "is_report", "load_results", "write_report"]
 
 MANIFEST_FILE = "manifest.json"
+_GENERATOR = '<meta name="generator" content="tangentlens">'
 _CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;margin:0 auto;
 max-width:1180px;padding:24px 32px;color:#1b1b1b;line-height:1.45}
@@ -89,6 +90,7 @@ def _html(
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        _GENERATOR,
         f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
         f'<p class="meta">Generated {now} · {esc(description)}</p>',
@@ -123,6 +125,15 @@ def _html(
     out.append(_json_block(manifest) if manifest else "<p>No manifest.</p>")
     out.append("</body></html>")
     return "\n".join(out) + "\n"
+
+
+def is_report(path: str | Path) -> bool:
+    """Whether ``path`` is a page this module wrote (so rewriting it loses nothing)."""
+    try:
+        with open(path, "rb") as fh:
+            return _GENERATOR.encode() in fh.read(4096)
+    except OSError:
+        return False
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -27,11 +27,12 @@ from tqdm.auto import tqdm
 from .. import results
 from ..embedding_geometry import frequency_distance, update_split
 from ..errors import UnstableBasisWarning
-from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site
+from ..hooks.sites import INPUT_KINDS, RESIDUAL_KINDS, WRITE_KINDS, Site
 from ..metrics import effective_rank, isoscore, participation_ratio, twonn_dimension
 from ..probes.bases import BasisSet
 from ..probes.residual import write_basis_site
-from ..significance import tangent_tests
+from ..probes.weight_gradient import matrix_intervals
+from ..significance import matrix_tests, tangent_tests
 from ..stats import Moments
 from ..subspace import (
     TangentBasis,
@@ -251,6 +252,26 @@ def _site_rows(
         rows.add("basis", {"drift_overlap": subspace_overlap(basis, drift)}, rank=k, site=site)
 
 
+def _weight_rows(
+    rows: _Rows, cfg: StudyConfig, part: Part, site: Site, bases: dict[int, dict[Site, Any]]
+) -> None:
+    """The weight-gradient object at an input site (``attn_in``/``mlp_in``): S = Σ G Gᵀ of
+    the maps reading it, tested against Q_T fitted there, with jackknife intervals."""
+    groups = part.wgrad_groups[site]
+    total = sum(groups)
+    if float(torch.trace(total)) <= 0:
+        return
+    act = part.acts[site]
+    for k in cfg.ranks:
+        basis = bases[k][site]
+        tests = matrix_tests(
+            total, basis, n_controls=cfg.n_controls, seed=cfg.seed, activation_moments=act
+        )
+        rows.add("weight_gradient", tests, rank=k, site=site, cis=matrix_intervals(groups, basis))
+        drift = TangentBasis.fit(act, basis.k)
+        rows.add("basis", {"drift_overlap": subspace_overlap(basis, drift)}, rank=k, site=site)
+
+
 def _embedding_rows(
     rows: _Rows,
     cfg: StudyConfig,
@@ -308,8 +329,9 @@ def analyse(
     cfg.check_ranks(d)
     sites = sorted(first.grads, key=lambda s: (s.layer, RESIDUAL_KINDS.index(s.kind)))
     writes = sorted((s for s in first.acts if s.kind in WRITE_KINDS), key=lambda s: s.hook_name)
+    inputs = sorted(first.wgrad_groups, key=lambda s: (s.layer, INPUT_KINDS.index(s.kind)))
     pooled_shape = {s: _pooled_shape([parts[t].grads[s] for t in steps]) for s in sites}
-    bases = _fit_bases(cfg, series, early, parts, sites, out)
+    bases = _fit_bases(cfg, series, early, parts, sites + inputs, out)
     embed_site = Site(0, "resid_pre")
     embed_bases = {k: b[embed_site] for k, b in bases.items()} if embed_site in sites else None
 
@@ -326,6 +348,8 @@ def analyse(
             rows.add("checkpoint", {"duplicate_of": duplicates[step]})
         for site in sites:
             _site_rows(rows, cfg, part, site, bases, pooled_shape[site])
+        for site in inputs:
+            _weight_rows(rows, cfg, part, site, bases)
         for k in cfg.ranks:
             for write in writes:
                 target = write_basis_site(write, bases[k], n_layers)

@@ -23,31 +23,59 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .. import corpus
-from ..distributed import all_reduce_session, shard
+from ..distributed import all_reduce_session, check_parent, shard
 from ..errors import CorruptFileError, UsageError
-from ..files import load_tensors, save_tensors
+from ..files import check_safetensors, config_digest, load_tensors, save_tensors, tensor_hash
 from ..hooks.base import get_backend
-from ..hooks.sites import WRITE_KINDS, Site
+from ..hooks.sites import INPUT_KINDS, WRITE_KINDS, Site
 from ..models import quiet_transformers
 from ..probes.base import Observation, Probe
 from ..probes.driver import lm_loss, run
+from ..probes.weight_gradient import WeightGradientProbe
 from ..stats import Moments
+from ..subspace import TangentBasis
 from .config import StudyConfig, open_series, threads
 
-__all__ = ["PART_KEY", "PROBE_FILE", "Part", "collect", "load_part", "part_path", "probe_set"]
+__all__ = [
+    "PART_KEY",
+    "PROBE_FILE",
+    "Part",
+    "collect",
+    "load_part",
+    "load_probe_set",
+    "part_path",
+    "probe_set",
+    "stale_parts",
+]
 
 PROBE_FILE = "probe_set.safetensors"
 PART_KEY = "tangentlens_study_part"
+# the settings a probe set, and a part beyond its probe set, are functions of
+_PROBE_SET_KEYS = ("checkpoints", "corpus", "encoding", "max_chars", "seq_len", "probe_fraction")
+_PART_KEYS = ("backend", "sites", "writes", "n_groups", "batch_size", "reservoir", "seed")
+_PART_META = {"step": int, "weights_hash": str, "n_layers": int, "d_model": int, "n_groups": int}
+
+
+def _probe_set_digest(cfg: StudyConfig) -> str:
+    return config_digest({k: getattr(cfg, k) for k in (*_PROBE_SET_KEYS, "seed", "n_sequences")})
+
+
+def _part_digest(cfg: StudyConfig, tokens: Tensor) -> str:
+    settings = {k: getattr(cfg, k) for k in _PART_KEYS}
+    return config_digest({**settings, "tokens": tensor_hash({"tokens": tokens})})
 
 
 def probe_set(cfg: StudyConfig, series: Any, out: Path) -> tuple[Tensor, Tensor]:
-    """Probe tokens ``(n_sequences, seq_len)`` and corpus counts ``(vocab,)``; saved once."""
+    """Probe tokens ``(n_sequences, seq_len)`` and corpus counts ``(vocab,)``; saved once,
+    reused only when it was made with these settings (else made again: never trusted)."""
     path = out / PROBE_FILE
     if path.is_file():
-        tensors, _ = load_tensors(path)
-        return tensors["tokens"], tensors["counts"]
+        found = load_probe_set(path, cfg)
+        if found is not None:
+            return found
+        path.unlink()
     tokenizer = series.load(0).tokenizer
-    ids = corpus.encode(tokenizer, corpus.load_lines(cfg.corpus, cfg.max_chars))
+    ids = corpus.encode(tokenizer, corpus.load_lines(cfg.corpus, cfg.max_chars, cfg.encoding))
     data = corpus.token_batches(
         tokenizer,
         ids=ids,
@@ -62,9 +90,65 @@ def probe_set(cfg: StudyConfig, series: Any, out: Path) -> tuple[Tensor, Tensor]
         )
     tokens = data.probe[: cfg.n_sequences].clone()
     counts = torch.bincount(ids, minlength=corpus.vocab_size(tokenizer))
-    meta = {"seq_len": cfg.seq_len, "seed": cfg.seed, "corpus": cfg.corpus}
+    meta = {
+        "seq_len": cfg.seq_len,
+        "seed": cfg.seed,
+        "corpus": cfg.corpus,
+        "digest": _probe_set_digest(cfg),
+    }
     save_tensors(path, {"tokens": tokens, "counts": counts}, {"probe_set": json.dumps(meta)})
     return tokens, counts
+
+
+def load_probe_set(path: Path, cfg: StudyConfig) -> tuple[Tensor, Tensor] | None:
+    """A saved probe set, checked whole (int64 token blocks of the configured shape, ids
+    inside the counted vocabulary); None when other settings made it. Damage is a
+    `CorruptFileError`."""
+    tensors, header = load_tensors(path)
+    try:
+        meta = json.loads(header["probe_set"])
+        tokens, counts = tensors["tokens"], tensors["counts"]
+        if tokens.dtype != torch.long or counts.dtype != torch.long:
+            raise ValueError(f"tokens {tokens.dtype} and counts {counts.dtype}, not int64")
+        if tokens.ndim != 2 or counts.ndim != 1 or tokens.numel() == 0:
+            raise ValueError(f"tokens {list(tokens.shape)}, counts {list(counts.shape)}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= counts.numel():
+            raise ValueError(f"token ids outside the vocabulary [0, {counts.numel()})")
+    except (KeyError, ValueError, TypeError) as err:
+        raise CorruptFileError(
+            f"{path} is a damaged probe set ({err}); delete it and rerun the study."
+        ) from err
+    if meta.get("digest") != _probe_set_digest(cfg):
+        return None
+    if tuple(tokens.shape) != (cfg.n_sequences, cfg.seq_len):
+        raise CorruptFileError(
+            f"{path} holds {list(tokens.shape)} tokens where its settings make "
+            f"{[cfg.n_sequences, cfg.seq_len]}; delete it and rerun the study."
+        )
+    return tokens, counts
+
+
+def stale_parts(cfg: StudyConfig, series: Any, out: Path, tokens: Tensor) -> list[int]:
+    """Indices of the checkpoints whose part must be computed: missing, or made with other
+    settings or another probe set (deleted here: a part is reused only when verified)."""
+    digest = _part_digest(cfg, tokens)
+    todo = []
+    for i, ckpt in enumerate(series):
+        path = part_path(out, ckpt.step)
+        if path.is_file():
+            meta = check_safetensors(path).get("__metadata__") or {}
+            try:
+                made_by = json.loads(meta[PART_KEY]).get("collect")
+            except (KeyError, ValueError, AttributeError) as err:
+                raise CorruptFileError(
+                    f"{path} is not a readable study part ({type(err).__name__}: {err}); "
+                    "delete it and rerun the study."
+                ) from err
+            if made_by == digest:
+                continue
+            path.unlink()
+        todo.append(i)
+    return todo
 
 
 class _TokenSample:
@@ -122,25 +206,31 @@ def _study_sites(kinds: tuple[str, ...], n_layers: int) -> list[Site]:
 
 
 class _GroupMoments(Probe):
-    """Activation and gradient `Moments` per group of sequences at the study's sites
-    (activations only, ungrouped, at the block writes): the basis-free sufficient
-    statistics of a part. Group ``g`` holds the batches whose index is g mod G."""
+    """Activation and gradient `Moments` per group of sequences at the study's sites,
+    activation `Moments` per group at the inputs of linear maps (``attn_in``/``mlp_in``,
+    whose weight gradients `WeightGradientProbe` keeps) and, ungrouped, at the block
+    writes: the basis-free sufficient statistics of a part. Group ``g`` holds the batches
+    whose index is g mod G."""
 
     name = "study_moments"
 
-    def __init__(self, sites: list[Site], writes: list[Site], n_groups: int) -> None:
+    def __init__(
+        self, sites: list[Site], writes: list[Site], inputs: list[Site], n_groups: int
+    ) -> None:
         super().__init__()
-        self.sites, self.writes, self.n_groups = sites, writes, n_groups
-        for site in sites:
+        self.sites, self.writes, self.inputs, self.n_groups = sites, writes, inputs, n_groups
+        for site in sites + inputs:
             for g in range(n_groups):
                 self.add_state(f"act/{g}/{site.hook_name}", Moments)
+        for site in sites:
+            for g in range(n_groups):
                 self.add_state(f"grad/{g}/{site.hook_name}", Moments)
         for site in writes:
             self.add_state(f"act/all/{site.hook_name}", Moments)
 
     @property
     def forward_sites(self) -> list[Site]:
-        return self.sites + self.writes
+        return self.sites + self.inputs + self.writes
 
     @property
     def backward_sites(self) -> list[Site]:
@@ -177,6 +267,13 @@ def _collect_one(
         raise UsageError(
             f"seq_len={tokens.shape[1]} exceeds the model's {n_ctx} positions; lower seq_len."
         )
+    n_vocab = loaded.model.get_input_embeddings().weight.shape[0]
+    if int(tokens.max()) >= n_vocab:
+        raise UsageError(
+            f"the probe set holds token id {int(tokens.max())}, outside the {n_vocab}-token "
+            f"vocabulary of {series[i].source}: the tokenizer does not fit the model; save "
+            "the model's own tokenizer with the checkpoints."
+        )
     available = set(backend.sites())
     sites = [s for s in _study_sites(cfg.sites, n_layers) if s in available]
     writes = (
@@ -187,7 +284,18 @@ def _collect_one(
     mine = shard(batches, rank, world_size)
     sample = _TokenSample(cfg, tokens.shape, sites, d)
     nll = torch.zeros(1, dtype=torch.float64)
-    moments = _GroupMoments(sites, writes, cfg.n_groups)
+    inputs = [
+        Site(layer, kind)
+        for layer in range(n_layers)
+        for kind in INPUT_KINDS
+        if cfg.weight_gradient and Site(layer, kind) in available
+    ]
+    moments = _GroupMoments(sites, writes, inputs, cfg.n_groups)
+    probes: list[Probe] = [moments]
+    if inputs:  # S = Σ G Gᵀ per group is basis-free: a placeholder basis plans the probe
+        placeholder = TangentBasis(torch.eye(d, dtype=torch.float64)[:, :1])
+        frames = {s: placeholder for s in inputs}
+        probes.append(WeightGradientProbe(frames, backend, n_controls=1, n_groups=cfg.n_groups))
 
     def feed() -> Iterator[Tensor]:
         for j, batch in mine:
@@ -205,7 +313,7 @@ def _collect_one(
             model,
             feed(),
             None,
-            (moments,),
+            probes,
             loss=loss,
             progress=False,
             group_of=lambda p: mine[p][0],  # group = global batch index mod G
@@ -221,6 +329,9 @@ def _collect_one(
     if rank != 0:
         return None
     tensors = dict(session.probes[moments.name].state_dict())
+    if inputs:
+        weights = session.probes[WeightGradientProbe.name].state_dict()
+        tensors |= {f"wg/{k}": t for k, t in weights.items() if k.startswith("wgrad/")}
     for site, buffer in sample.buffers.items():
         tensors[f"sample/{site.hook_name}"] = buffer
     tensors["sample_sequence"] = sample.seq.clone()
@@ -228,6 +339,7 @@ def _collect_one(
     ckpt = series[i]
     meta = {
         "step": ckpt.step,
+        "collect": _part_digest(cfg, tokens),
         "weights_hash": loaded.weights_hash,
         "probe_loss": float(nll) / (tokens.shape[0] * (tokens.shape[1] - 1)),
         "train_loss": ckpt.metadata.get("loss"),
@@ -256,6 +368,7 @@ def collect(
         bar.set_postfix(step=series[i].step)
         part = _collect_one(cfg, series, i, tokens, rank, world_size)
         if part is not None:
+            check_parent()  # a worker whose parent is gone writes nothing
             tensors, meta = part
             save_tensors(part_path(out, series[i].step), tensors, {PART_KEY: json.dumps(meta)})
 
@@ -266,8 +379,12 @@ def collect_worker(
     cfg = StudyConfig.from_dict(config)
     n_threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // world_size)
     series = open_series(cfg.checkpoints)
+    path = Path(out) / PROBE_FILE
+    found = load_probe_set(path, cfg)  # the parent made and checked it
+    if found is None:
+        raise CorruptFileError(f"{path} changed during the study; rerun the study.")
     with threads(n_threads):
-        tokens, _ = probe_set(cfg, series, Path(out))
+        tokens, _ = found
         collect(cfg, series, todo, Path(out), tokens, rank, world_size, progress)
 
 
@@ -281,6 +398,7 @@ class Part:
     grads: dict[Site, Moments]
     act_groups: dict[Site, list[Moments]]
     grad_groups: dict[Site, list[Moments]]
+    wgrad_groups: dict[Site, list[Tensor]]
     samples: dict[Site, Tensor]
     sample_sequence: Tensor | None
     embed: Tensor
@@ -301,18 +419,33 @@ def load_part(path: Path) -> Part:
         raise CorruptFileError(f"{path} is not a study part; delete it and rerun the study.")
     try:
         meta = json.loads(header[PART_KEY])
+        for key, kind in _PART_META.items():
+            if not isinstance(meta[key], kind) or isinstance(meta[key], bool):
+                raise TypeError(f"{key} is {meta[key]!r}, not {kind.__name__}")
+        d = meta["d_model"]
+        if f"step{meta['step']}.safetensors" != path.name:
+            raise ValueError(f"it holds step {meta['step']}")
         states: dict[tuple[str, str, Site], dict[str, Tensor]] = {}
         samples = {}
+        wgrad: dict[tuple[int, Site], Tensor] = {}
         for name, t in tensors.items():
             kind, _, rest = name.partition("/")
-            if kind in ("act", "grad"):
+            if kind == "wg":  # wg/wgrad/{g}/{hook}/sum
+                _, group, rest = rest.split("/", 2)
+                wgrad[int(group), Site.parse(rest.rpartition("/")[0])] = t.double()
+            elif kind in ("act", "grad"):
                 group, _, rest = rest.partition("/")
                 hook, _, key = rest.rpartition("/")
                 states.setdefault((kind, group, Site.parse(hook)), {})[key] = t
             elif kind == "sample":
                 samples[Site.parse(rest)] = t
         moments = {key: Moments().load_state_dict(st) for key, st in states.items()}
-        n_groups = int(meta["n_groups"])
+        n_groups = meta["n_groups"]
+        embed = tensors["embed"]
+        widths = [m.d for m in moments.values() if m.count]
+        widths += [t.shape[-1] for t in [*samples.values(), embed]]
+        if embed.ndim != 2 or any(n != d for n in widths):
+            raise ValueError(f"statistics of another width than d_model={d}")
         act_groups: dict[Site, list[Moments]] = {}
         grad_groups: dict[Site, list[Moments]] = {}
         writes: dict[Site, Moments] = {}
@@ -320,18 +453,28 @@ def load_part(path: Path) -> Part:
             if group == "all":
                 writes[site] = m
                 continue
+            if not 0 <= int(group) < n_groups:
+                raise IndexError(f"group {group} of {n_groups}")
             target = act_groups if kind == "act" else grad_groups
             target.setdefault(site, [Moments() for _ in range(n_groups)])[int(group)] = m
         acts = {s: _merged(g) for s, g in act_groups.items()} | writes
         grads = {s: _merged(g) for s, g in grad_groups.items()}
+        wgrad_groups: dict[Site, list[Tensor]] = {}
+        for (group, site), t in sorted(wgrad.items(), key=lambda kv: kv[0][0]):
+            if not 0 <= group < n_groups or tuple(t.shape) != (d, d):
+                raise ValueError(f"a weight-gradient matrix of group {group}, {tuple(t.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError("a weight-gradient matrix holds NaN or Inf")
+            wgrad_groups.setdefault(site, []).append(t)
         return Part(
             acts,
             grads,
             act_groups,
             grad_groups,
+            wgrad_groups,
             samples,
             tensors.get("sample_sequence"),
-            tensors["embed"],
+            embed,
             meta,
         )
     except (KeyError, ValueError, TypeError, IndexError) as err:

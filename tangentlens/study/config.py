@@ -4,21 +4,19 @@ checkpoint series it reads, and the thread limits it runs under."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from threadpoolctl import threadpool_limits
-
 from ..checkpoints import CheckpointSeries
+from ..compute import threads
 from ..errors import UsageError
 from ..files import dataclass_from_dict
 from ..hooks.sites import RESIDUAL_KINDS
 from ..models import is_hub_id
-from ..validation import BACKENDS, CONTROLS, check_rank, is_int
+from ..validation import BACKENDS, CONTROLS, check_encoding, check_rank, is_int
 
 __all__ = ["StudyConfig", "open_series", "threads"]
 
@@ -31,8 +29,10 @@ class StudyConfig:
     backend: str = "transformer_lens"
     sites: tuple[str, ...] = ("resid_pre", "resid_post")
     writes: bool = True  # attn_out / mlp_out activation Moments for the write ratios
+    weight_gradient: bool = True  # Σ G Gᵀ of the maps reading attn_in / mlp_in (the paper's)
     rank: int | tuple[int, ...] = 16
     window_fraction: float = 0.3
+    windows: str = "step"  # "step": fraction of training steps; "index": of checkpoints
     early: tuple[int, int] | None = None  # inclusive step range; overrides the fraction
     late: tuple[int, int] | None = None
     n_controls: int = 1000
@@ -45,6 +45,7 @@ class StudyConfig:
     n_groups: int = 8  # groups of probe batches for the jackknife intervals over tokens
     probe_fraction: float = 0.05
     corpus: str | None = None  # text file, folder of .txt, or None for the KJV
+    encoding: str = "utf-8"  # of the corpus files (decoded strictly)
     max_chars: int | None = None
     reservoir: int = 1000  # tokens sampled per site for TwoNN (0: no TwoNN)
     n_permutations: int = 200
@@ -76,12 +77,18 @@ class StudyConfig:
                     f"got {rng!r}."
                 )
             setattr(self, name, (int(rng[0]), int(rng[1])))
-        ranks = [self.rank] if isinstance(self.rank, int) else list(self.rank)
-        if not ranks or any(not is_int(r) or r < 1 for r in ranks):
+        ranks = [self.rank] if is_int(self.rank) else self.rank
+        if (
+            isinstance(ranks, str | bytes | bool)
+            or not hasattr(ranks, "__iter__")
+            or not (ranks := list(ranks))
+            or any(not is_int(r) or r < 1 for r in ranks)
+        ):
             raise UsageError(
                 f"StudyConfig.rank must be a positive int or a list of them; got {self.rank!r}."
             )
-        self.rank = ranks[0] if len(ranks) == 1 else tuple(sorted(set(ranks)))
+        ranks = sorted({int(r) for r in ranks})
+        self.rank = ranks[0] if len(ranks) == 1 else tuple(ranks)
         positive = ("n_controls", "n_sequences", "seq_len", "batch_size", "n_permutations")
         if not is_int(self.n_groups) or self.n_groups < 2:
             raise UsageError(f"StudyConfig.n_groups must be an int >= 2; got {self.n_groups!r}.")
@@ -89,9 +96,17 @@ class StudyConfig:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise UsageError(f"StudyConfig.{name} must be a positive int; got {value!r}.")
+            setattr(self, name, int(value))
+        self.encoding = check_encoding(self.encoding, "StudyConfig.encoding")
+        for name in ("window_fraction", "zeta", "probe_fraction"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise UsageError(f"StudyConfig.{name} must be a number; got {value!r}.")
+            setattr(self, name, float(value))
         checks = {
             "window_fraction": 0.0 < self.window_fraction <= 0.5,
             "controls": self.controls in CONTROLS,
+            "windows": self.windows in ("step", "index"),
             "zeta": 0.0 <= self.zeta <= 1.0,
             "seed": is_int(self.seed) and self.seed >= 0,
             "seq_len": self.seq_len >= 2,
@@ -104,6 +119,7 @@ class StudyConfig:
         hints = {
             "window_fraction": "(0, 0.5]",
             "controls": f"one of {CONTROLS}",
+            "windows": "'step' or 'index'",
             "zeta": "[0, 1]",
             "seed": "an int >= 0",
             "seq_len": "an int >= 2",
@@ -118,10 +134,13 @@ class StudyConfig:
                     f"StudyConfig.{name}={getattr(self, name)!r} is out of range; "
                     f"use {hints[name]}."
                 )
+        for name in ("seed", "n_groups", "reservoir", "max_chars", "num_threads"):
+            value = getattr(self, name)
+            setattr(self, name, None if value is None else int(value))  # numpy ints → JSON
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        return (self.rank,) if isinstance(self.rank, int) else tuple(self.rank)
+        return (self.rank,) if is_int(self.rank) else tuple(self.rank)
 
     def check_ranks(self, d: int) -> None:
         """Every rank must take normal controls too (``p_value_normal``): k <= d/2."""
@@ -149,22 +168,3 @@ def open_series(source: str) -> Any:
     if not path.exists() and is_hub_id(source):
         return CheckpointSeries.from_hub(source)
     return CheckpointSeries.from_folder(path)
-
-
-@contextmanager
-def threads(n: int | None) -> Iterator[None]:
-    """Torch and numpy's BLAS (threadpoolctl) limited to ``n`` threads.
-
-    On a shared machine, OpenMP/BLAS threads that outnumber free cores make small d × d
-    algebra tens of times slower; ``n`` fixed also keeps results bit-reproducible.
-    """
-    if n is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        with threadpool_limits(n):
-            yield
-    finally:
-        torch.set_num_threads(before)

@@ -10,7 +10,11 @@
    ``results.csv`` / ``results.json`` (schema: `tangentlens.results`), ``bases/`` and
    ``manifest.json``.
 
-Every file is written atomically.
+Every file is written atomically, by one writer: the run holds the folder's lock
+(`tangentlens.files.lock_folder`) and refuses a folder that another command or another
+configuration made. Whatever it reuses is verified first: the probe set and each part
+carry the settings (and probe-set hash) that made them, and are made again, never
+trusted, when those differ (a folder whose record was deleted).
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
 from .. import results
 from ..distributed import launch
 from ..errors import CorruptFileError, UsageError
-from ..files import remove_stale_temporaries, tensor_hash, write_json
+from ..files import FolderLock, lock_folder, remove_stale_temporaries, tensor_hash, write_json
 from ..validation import check_int
 from .analyse import analyse
 from .collect import (
@@ -35,12 +40,26 @@ from .collect import (
     load_part,
     part_path,
     probe_set,
+    stale_parts,
 )
 from .config import StudyConfig, open_series, threads
 
-__all__ = ["CONFIG_FILE", "Study"]
+__all__ = ["CONFIG_FILE", "OUTPUTS", "Study"]
 
 CONFIG_FILE = "study_config.json"
+OUTPUTS = (
+    CONFIG_FILE,
+    PROBE_FILE,
+    "parts",
+    "results.csv",
+    "results.json",
+    "manifest.json",
+    "report.html",
+    "bases",
+    "figures",
+)
+"""What a study writes into its folder."""
+_RESULTS = ("parts/step*.safetensors", "results.csv")
 
 
 class Study:
@@ -61,11 +80,26 @@ class Study:
         start = time.perf_counter()
         out = Path(out_dir)
         series = open_series(cfg.checkpoints)
-        windows = series.windows(cfg.window_fraction, early=cfg.early, late=cfg.late)
-        _prepare_out_dir(cfg, out)
+        windows = series.windows(
+            cfg.window_fraction, by=cfg.windows, early=cfg.early, late=cfg.late
+        )
+        with lock_folder(out, "study") as lock:
+            _prepare_out_dir(cfg, out, lock)
+            return self._run(series, windows, out, world_size, progress, start)
+
+    def _run(
+        self,
+        series: Any,
+        windows: dict[str, list[int]],
+        out: Path,
+        world_size: int,
+        progress: bool,
+        start: float,
+    ) -> pd.DataFrame:
+        cfg = self.config
         with threads(cfg.num_threads):
             tokens, counts = probe_set(cfg, series, out)
-            todo = [i for i, c in enumerate(series) if not part_path(out, c.step).is_file()]
+            todo = stale_parts(cfg, series, out, tokens)
             n_batches = len(tokens.split(cfg.batch_size))
             if todo and world_size > 1:
                 if n_batches < world_size:
@@ -83,6 +117,7 @@ class Study:
         results.write(frame, out)
         manifest = {
             **info,
+            "command": "study",
             "config": cfg.to_dict(),
             "world_size": world_size,
             "probe_set": {
@@ -102,26 +137,49 @@ class Study:
         return frame
 
 
-def _prepare_out_dir(cfg: StudyConfig, out: Path) -> None:
-    remove_stale_temporaries(out)  # left by a killed run of this study
+def _prepare_out_dir(cfg: StudyConfig, out: Path, lock: FolderLock) -> None:
+    """Claim ``out`` for this configuration, clear what killed runs left, record it."""
     path = out / CONFIG_FILE
-    mine = {k: v for k, v in cfg.to_dict().items() if k != "progress"}
-    if path.is_file():
-        try:
-            saved = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise CorruptFileError(
-                f"{path} is corrupt ({err}); delete it or use another --out."
-            ) from err
-        saved.pop("progress", None)
-        if saved == json.loads(json.dumps(mine)):
-            return
-        if any((out / "parts").glob("step*.safetensors")):
+    mine = json.loads(json.dumps({k: v for k, v in cfg.to_dict().items() if k != "progress"}))
+
+    def study_folder() -> bool:
+        """A folder without a record, from before records: a study's (its own files, and a
+        study's manifest if any) and, once parts exist, of this configuration (by
+        study_config.json). Its parts and probe set are verified file by file later."""
+        if not any((out / name).exists() for name in (CONFIG_FILE, PROBE_FILE, "parts")):
+            return False
+        manifest = _read_json(out / "manifest.json")
+        if manifest is not None and manifest.get("command", "study") != "study":
+            return False
+        saved = _read_json(path)
+        if saved is not None and not any(out.glob(_RESULTS[0])):
+            return True  # nothing computed yet (e.g. the first run failed a check)
+        if saved is not None:
+            saved.pop("progress", None)
             diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-            raise UsageError(
-                f"{out} holds a study with another configuration (differs in {diff}); "
-                "rerun with the same configuration to resume, or choose another output folder."
-            )
-        # nothing computed yet (e.g. the first run failed a check): start afresh
-        (out / PROBE_FILE).unlink(missing_ok=True)
-    write_json(path, mine)
+            if diff:
+                raise UsageError(
+                    f"{out} holds a study with another configuration (differs in {diff}); "
+                    "rerun with the same configuration to resume, or choose another output "
+                    "folder."
+                )
+        return True
+
+    lock.claim(mine, OUTPUTS, results=_RESULTS, adopt=study_folder)
+    remove_stale_temporaries(out)  # left by a killed run of this study
+    if _read_json(path) != mine:
+        write_json(path, mine)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CorruptFileError(
+            f"{path} is corrupt ({err}); delete it or use another --out."
+        ) from err
+    if not isinstance(found, dict):
+        raise CorruptFileError(f"{path} is not a JSON object; delete it or use another --out.")
+    return found

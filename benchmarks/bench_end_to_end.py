@@ -1,0 +1,85 @@
+"""End to end: everything a person waits for, as ratios to a bare forward(+backward).
+
+    .venv/bin/python benchmarks/bench_end_to_end.py [--repeat 3] [--layers all|0,5,10]
+
+On SmolLM2-135M (30 layers, d = 576) with the default bases of `fit_bases` (resid_pre,
+resid_mid, resid_post, attn_in, mlp_in; rank 16), 4 × 128 tokens and the default number
+of controls (1000), each repeat measures, interleaved in one process:
+
+- a bare forward+backward of the summed next-token loss;
+- the probe pass (residual + attention + gradient) around the same step, and `results()`;
+- `fit_bases` on two batches against two bare forwards.
+
+Ratios are medians over repeats with their min–max spread; timing on a shared 2-core
+machine is noisy, so compare ratios from one run, never absolute times across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+
+from tangentlens import models
+from tangentlens.probes import fit_bases, lm_loss, probe
+
+PROBES = ("residual", "attention", "gradient")
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--layers", default="all", help="all, or comma-separated layer indices")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    bridge, tok = models.load("smollm2-135m")
+    layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    fit = [torch.randint(0, len(tok), (4, 128), generator=gen) for _ in range(2)]
+    ids = torch.randint(0, len(tok), (4, 128), generator=gen)
+
+    def bare_fb() -> None:
+        lm_loss(bridge, ids).backward()
+        bridge.zero_grad(set_to_none=True)
+
+    def bare_fwd() -> None:
+        with torch.no_grad():
+            for batch in fit:
+                bridge(batch)
+
+    bases = fit_bases(bridge, fit, rank=16, layers=layers, progress=False)
+    ratios: dict[str, list[float]] = {"pass": [], "results": [], "end_to_end": [], "fit": []}
+    for _ in range(args.repeat):
+        t_fb = _timed(bare_fb)
+        with probe(bridge, bases, PROBES, layers=layers) as session:
+            t_pass = _timed(bare_fb)
+        t_res = _timed(lambda s=session: s.results(progress=False))
+        t_fwd = _timed(bare_fwd)
+        t_fit = _timed(lambda: fit_bases(bridge, fit, rank=16, layers=layers, progress=False))
+        ratios["pass"].append(t_pass / t_fb)
+        ratios["results"].append(t_res / t_fb)
+        ratios["end_to_end"].append((t_pass + t_res) / t_fb)
+        ratios["fit"].append(t_fit / t_fwd)
+        print(
+            f"fwd+bwd {t_fb:.2f} s, pass {t_pass:.2f} s, results {t_res:.2f} s; "
+            f"2 fwd {t_fwd:.2f} s, fit_bases {t_fit:.2f} s",
+            flush=True,
+        )
+    sites = len(bases)
+    print(f"\nSmolLM2-135M, {sites} bases, layers={args.layers}, repeats={args.repeat}")
+    for name, values in ratios.items():
+        med = statistics.median(values)
+        print(f"{name:>11}: {med:6.2f}x  (spread {min(values):.2f}-{max(values):.2f})")
+
+
+if __name__ == "__main__":
+    main()
