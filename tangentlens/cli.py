@@ -198,16 +198,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Train the small model, run the study, probe the heads, write the report."""
+    """Train a decoder and an encoder, study both, write the verdicts and the report."""
     from . import workflows
-    from .report import format_summary, summary
 
     out = Path(args.out).expanduser()
     done = workflows.demo(out, quick=args.quick, progress=not args.quiet, log=_say)
     _say(f"\ntangentlens demo finished in {done.seconds:.0f} s")
-    _say(f"report:  {done.report.resolve()}\nresults: {(out / 'results.csv').resolve()}")
-    _say("\nheadline numbers (measured here vs the paper):")
-    _say(format_summary(summary(done.table)))
+    _say(f"report:  {done.report.resolve()}")
+    _say(f"summary: {(out / workflows.SUMMARY_FILE).resolve()}")
+    _say("\nthe paper's claims, verdicts from 95 % intervals:")
+    for c in done.claims:
+        _say(f"  [{c['verdict']}] {c['model']}, {c['gradient_object']}: {c['paper']}")
     return 0
 
 

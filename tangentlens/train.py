@@ -90,7 +90,7 @@ class TrainConfig:
     batch_size: int = 8
     max_steps: int = 256
     last_log_step: int = 128
-    checkpoint_every: int = 64
+    checkpoint_every: int = 32
     lr: float = 3e-3
     warmup_steps: int = 32
     min_lr_ratio: float = 0.1

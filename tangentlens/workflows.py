@@ -33,10 +33,10 @@ from .hooks.sites import Site
 from .models import is_hub_id, load, quiet_transformers
 from .probes.bases import BasisSet
 from .probes.driver import fit_bases, run
-from .report import write_report
+from .report import write_overview, write_report
 from .report.page import is_report
+from .report.verdicts import compare_models, verdicts
 from .study import Study, StudyConfig
-from .study.pipeline import OUTPUTS as STUDY_OUTPUTS
 from .train import TrainConfig, train
 from .validation import check_backend, check_encoding, check_int, check_rank, is_int
 from .version import __version__
@@ -61,7 +61,9 @@ CHECKPOINTS_DIR = "checkpoints"
 HEADS_DIR = "heads"
 QUICK_STUDY = {"n_controls": 50, "n_permutations": 20, "n_sequences": 8, "reservoir": 256}
 PROBE_OUTPUTS = ("results.csv", "results.json", "manifest.json", "report.html", "bases", "figures")
-DEMO_OUTPUTS = (*STUDY_OUTPUTS, CHECKPOINTS_DIR, HEADS_DIR)
+MODEL_KINDS = {"decoder": "causal", "encoder": "masked"}
+SUMMARY_FILE = "summary.json"
+DEMO_OUTPUTS = (*MODEL_KINDS, SUMMARY_FILE, "report.html", "figures")
 Log = Callable[[str], None]
 
 
@@ -288,11 +290,19 @@ def train_config(
     encoding: str | None = None,
     max_steps: int | None = None,
     seed: int | None = None,
+    objective: str | None = None,
 ) -> TrainConfig:
-    """The trainer's config: defaults, or a tiny model (``quick``: five checkpoints)."""
+    """The trainer's config: defaults, or a tiny model (``quick``: five checkpoints);
+    ``objective`` "causal" (a decoder) or "masked" (an encoder)."""
     if encoding is not None:
         check_encoding(encoding, "--encoding")
-    chosen = {"corpus": _local(corpus), "encoding": encoding, "max_steps": max_steps, "seed": seed}
+    chosen = {
+        "corpus": _local(corpus),
+        "encoding": encoding,
+        "max_steps": max_steps,
+        "seed": seed,
+        "objective": objective,
+    }
     overrides = {k: v for k, v in chosen.items() if v is not None}
     if quick:  # five checkpoints (0, 1, 2, 4, 8) of a tiny model: seconds
         return TrainConfig.tiny(**{"max_steps": 8, **overrides})
@@ -399,31 +409,39 @@ def probe_heads(
 # ----------------------------------------------------------------------------- demo
 @dataclass(frozen=True)
 class DemoOutcome:
-    """What `demo` produced."""
+    """What `demo` produced: the decoder's table, the overview page, the verdicts."""
 
     table: pd.DataFrame
     report: Path
     seconds: float
+    claims: list[dict[str, Any]]
 
 
 def demo(
     out: Path, *, quick: bool = False, progress: bool = True, log: Log = _quiet
 ) -> DemoOutcome:
-    """Train the small model, run the study, probe the heads, write the report: the whole
-    folder is the demo's (its record covers the study's and the trainer's steps in it)."""
+    """Train a decoder and an encoder, study both, probe their heads, write each a report,
+    then ``summary.json`` (the paper's claims with verdicts from intervals, per model and
+    gradient object) and ``report.html`` side by side: the whole folder is the demo's."""
     start = time.perf_counter()
     out = Path(out).expanduser()
+    tables: dict[str, pd.DataFrame] = {}
     with lock_folder(out, "demo") as lock:
-        lock.claim({"quick": bool(quick)}, DEMO_OUTPUTS, results=(CHECKPOINTS_DIR, "results.csv"))
+        lock.claim({"quick": bool(quick)}, DEMO_OUTPUTS, results=("*/results.csv",))
         remove_stale_temporaries(out)
-        checkpoints = out / CHECKPOINTS_DIR
-        config = train_config(quick=quick)
-        log(f"[1/4] training the small model ({config.max_steps} steps) → {checkpoints}")
-        train(config, checkpoints, progress=progress)
-        log("[2/4] running the study over the checkpoints")
-        table = Study(study_config(str(checkpoints), quick=quick)).run(out, progress=progress)
-        log("[3/4] probing attention heads (early window and final checkpoint)")
-        probe_heads(checkpoints, out, table, progress=progress)
-        log("[4/4] writing the report")
-        page = write_report(out, out / "report.html")
-    return DemoOutcome(table, page, time.perf_counter() - start)
+        for i, (kind, objective) in enumerate(MODEL_KINDS.items()):
+            folder, step = out / kind, f"[{i + 1}/{len(MODEL_KINDS) + 1}]"
+            config = train_config(quick=quick, objective=objective)
+            log(f"{step} {kind}: training ({objective}, {config.max_steps} steps) → {folder}")
+            train(config, folder / CHECKPOINTS_DIR, progress=progress)
+            log(f"{step} {kind}: the study over its checkpoints, then its heads")
+            cfg = study_config(str(folder / CHECKPOINTS_DIR), quick=quick)
+            tables[kind] = Study(cfg).run(folder, progress=progress)
+            probe_heads(folder / CHECKPOINTS_DIR, folder, tables[kind], progress=progress)
+            write_report(folder, folder / "report.html", title=f"tangentlens demo: {kind}")
+        log(f"[{len(MODEL_KINDS) + 1}/{len(MODEL_KINDS) + 1}] verdicts and the report")
+        claims = [c for kind in MODEL_KINDS for c in verdicts(tables[kind], model=kind)]
+        claims += compare_models(*(verdicts(tables[k], model=k) for k in MODEL_KINDS))
+        write_json(out / SUMMARY_FILE, {"claims": claims, "models": list(MODEL_KINDS)})
+        page = write_overview({k: out / k for k in MODEL_KINDS}, claims, out / "report.html")
+    return DemoOutcome(tables["decoder"], page, time.perf_counter() - start, claims)

@@ -3,6 +3,7 @@ errors with exit code 2 for a person's mistakes, and the commands end to end."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -156,28 +157,37 @@ def test_probe_on_the_real_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """`demo --quick` end to end; then `train`, `study` and `report` on its folders (train and
-    study resume: same configuration, nothing is redone) and the re-rendered report."""
-    pytest.importorskip("tangentlens.study")
+    """`demo --quick` end to end: a decoder and an encoder, each a full study folder, the
+    verdicts in summary.json and an overview page; then `train`, `study` and `report` on
+    the decoder's folders (they resume: same configuration, nothing is redone)."""
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out), "-q"]) == 0
     printed = capsys.readouterr().out
-    assert "report:" in printed and "paper:" in printed and "agrees:" in printed
-    steps = sorted(int(p.name[4:]) for p in (out / "checkpoints").glob("step*"))
-    assert steps == [0, 1, 2, 4, 8]
-    first = (out / "report.html").read_text()
-    assert first.count("data:image/png;base64,") == 6  # all figures, heads included
-    assert (out / "heads" / "results.csv").is_file()
+    assert "report:" in printed and "summary:" in printed and "verdicts" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    verdicts = {c["verdict"] for c in summary["claims"]}
+    assert verdicts <= {"agrees", "disagrees", "inconclusive"} and verdicts
+    kinds = {(c["model"], c["gradient_object"]) for c in summary["claims"]}
+    for model in ("decoder", "encoder"):
+        assert {(model, "gradient"), (model, "weight_gradient")} <= kinds
+        folder = out / model
+        steps = sorted(int(p.name[4:]) for p in (folder / "checkpoints").glob("step*"))
+        assert steps == [0, 1, 2, 4, 8]
+        assert (folder / "results.csv").is_file() and (folder / "manifest.json").is_file()
+        assert (folder / "heads" / "results.csv").is_file()
+        assert (folder / "report.html").read_text().count("data:image/png;base64,") == 6
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 12
 
-    ckpt = str(out / "checkpoints")
+    decoder = out / "decoder"
+    ckpt = str(decoder / "checkpoints")
     assert main(["train", "--quick", "--out", ckpt, "-q"]) == 0
-    assert main(["study", "--quick", "--checkpoints", ckpt, "--out", str(out), "-q"]) == 0
+    assert main(["study", "--quick", "--checkpoints", ckpt, "--out", str(decoder), "-q"]) == 0
     assert "paper:" in capsys.readouterr().out
-    (out / "report.html").unlink()
-    assert main(["report", str(out), "-q"]) == 0
-    again = (out / "report.html").read_text()
+    (decoder / "report.html").unlink()
+    assert main(["report", str(decoder), "-q"]) == 0
+    again = (decoder / "report.html").read_text()
     assert again.count("data:image/png;base64,") == 6
-    assert (out / "figures" / "energy_over_training.png").is_file()
+    assert (decoder / "figures" / "energy_over_training.png").is_file()
 
 
 def test_probe_data_parallel_equals_one_process(tmp_path: Path) -> None:

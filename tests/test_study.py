@@ -130,8 +130,15 @@ def _stats(frame: pd.DataFrame, **where) -> set[str]:
 def test_table_columns_windows_and_statistics(study):
     _, _, table = study
     assert list(table.columns) == list(results.COLUMNS)
-    study_level = table[table["step"].isna()]  # basis diagnostics belong to no checkpoint
-    assert set(study_level["probe"]) == {"basis"}
+    study_level = table[table["step"].isna()]  # basis diagnostics, window summaries
+    assert set(study_level["probe"]) == {"basis", "window"}
+    window = study_level[study_level["probe"] == "window"]
+    for stat in ("gradient_energy_ratio", "weight_gradient_energy_ratio"):
+        here = window[window["statistic"] == stat]
+        assert set(here["window"]) == {"early", "late"}
+        assert ((here["ci_low"] <= here["value"]) & (here["value"] <= here["ci_high"])).all()
+        diff = window[window["statistic"] == f"{stat}_late_minus_early"]
+        assert len(diff) == 2 and set(diff["window"]) == {"late-early"}  # ranks 2 and 4
     frame = table[table["step"].notna()]
     assert sorted(frame["step"].unique()) == STEPS
     assert (frame["checkpoint"] == "step" + frame["step"].astype(str)).all()
@@ -206,7 +213,9 @@ def test_values_are_finite_and_in_range(study):
     assert (value[corr].abs() <= 1).all()
     jackknifed = frame["statistic"].isin(
         ["tangent_share", "energy_ratio", "normalized_ratio", "delta_iso_tangent"]
-    ) & frame["probe"].isin(["gradient", "residual", "weight_gradient"])
+    ) & frame["probe"].isin(["gradient", "residual", "weight_gradient"]) | frame["probe"].eq(
+        "window"
+    )
     ci = frame[corr | (jackknifed & frame["ci_low"].notna())]
     tol = 1e-12
     assert ((ci["ci_low"] <= ci["value"] + tol) & (ci["value"] <= ci["ci_high"] + tol)).all()

@@ -28,7 +28,7 @@ from ..version import __version__
 from .bases import BasisSet
 from .session import ProbeSession
 
-__all__ = ["LOSSES", "fit_bases", "lm_loss", "mlm_loss", "run", "unpack_batch"]
+__all__ = ["LOSSES", "fit_bases", "lm_loss", "masked_positions", "mlm_loss", "run", "unpack_batch"]
 
 
 def unpack_batch(batch: Any) -> tuple[Tensor, Tensor | None]:
@@ -126,6 +126,27 @@ def _vocab_and_mask_id(model: Any) -> tuple[int | None, int | None, set[int]]:
     return vocab, mask_id, special | ({mask_id} if mask_id is not None else set())
 
 
+def masked_positions(model: Any, batch: Any, *, rate: float = 0.15, seed: int = 0) -> Tensor:
+    """The positions `mlm_loss` masks and predicts, ``(batch, pos)`` bool: a fraction
+    ``rate`` of each sequence's non-special, unpadded positions (at least one), drawn from
+    ``seed`` and the batch's token ids, so every backend and every rerun masks the same."""
+    if not 0 < rate < 1:
+        raise UsageError(f"rate must be in (0, 1); got {rate}.")
+    ids, mask = unpack_batch(batch)
+    ids = ids.cpu()
+    _, _, special = _vocab_and_mask_id(model)
+    eligible = ~torch.isin(ids, torch.tensor(sorted(special), dtype=ids.dtype))
+    if mask is not None:
+        eligible &= mask.cpu().bool()
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(ids.numpy().tobytes()))
+    draw = torch.rand(ids.shape, generator=gen)
+    chosen = eligible & (draw < rate)
+    first = torch.where(eligible, draw, 2.0).argmin(1)  # each sequence's lowest draw
+    rows = eligible.any(1) & ~chosen.any(1)
+    chosen[rows, first[rows]] = True
+    return chosen
+
+
 def mlm_loss(
     model: Any,
     batch: Any,
@@ -136,16 +157,12 @@ def mlm_loss(
 ) -> Tensor:
     """Summed masked-token cross-entropy, the encoders' built-in loss (``loss="mlm"``).
 
-    A fraction ``rate`` of each sequence's non-special, unpadded positions (at least one)
-    is replaced by the mask token and predicted from the rest; the loss sums the
-    cross-entropy at those positions (summed, like `lm_loss`). The mask is drawn from
-    ``seed`` and the batch's token ids, so every backend and every rerun masks the same
-    positions. The mask token comes from the model's tokenizer or config
-    (``mask_token_id`` overrides). Needs a masked-LM head (``...ForMaskedLM``): a model
-    without one (a bare encoder such as MiniLM's ``BertModel``) is a `UsageError`.
+    The positions of `masked_positions` are replaced by the mask token and predicted from
+    the rest; the loss sums the cross-entropy at those positions (summed, like `lm_loss`).
+    The mask token comes from the model's tokenizer or config (``mask_token_id``
+    overrides). Needs a masked-LM head (``...ForMaskedLM``): a model without one (a bare
+    encoder such as MiniLM's ``BertModel``) is a `UsageError`.
     """
-    if not 0 < rate < 1:
-        raise UsageError(f"rate must be in (0, 1); got {rate}.")
     ids, mask = unpack_batch(batch)
     ids = ids.cpu()
     hf = _hf(model)
@@ -157,22 +174,14 @@ def mlm_loss(
             "load the model with its head (AutoModelForMaskedLM) or pass "
             "loss=callable(model, batch) -> scalar."
         )
-    vocab, found, special = _vocab_and_mask_id(model)
+    vocab, found, _ = _vocab_and_mask_id(model)
     mask_id = found if mask_token_id is None else int(mask_token_id)
     if mask_id is None:
         raise UsageError(
             "loss='mlm' needs the mask token id, which neither the model's tokenizer nor its "
             "config has: pass loss=functools.partial(mlm_loss, mask_token_id=...)."
         )
-    eligible = ~torch.isin(ids, torch.tensor(sorted(special), dtype=ids.dtype))
-    if mask is not None:
-        eligible &= mask.cpu().bool()
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(ids.numpy().tobytes()))
-    draw = torch.rand(ids.shape, generator=gen)
-    chosen = eligible & (draw < rate)
-    first = torch.where(eligible, draw, 2.0).argmin(1)  # each sequence's lowest draw
-    rows = eligible.any(1) & ~chosen.any(1)
-    chosen[rows, first[rows]] = True
+    chosen = masked_positions(model, batch, rate=rate, seed=seed)
     device = _device(model)
     masked = ids.masked_fill(chosen, mask_id).to(device)
     out = _forward(model, masked, None if mask is None else mask.to(device))

@@ -17,7 +17,7 @@ from .figures import (
     plot_isotropy_removal,
     render_figures,
 )
-from .page import load_results, write_report
+from .page import load_results, write_overview, write_report
 from .summary import Claim, format_summary, summary
 from .table import PAPER
 
@@ -36,5 +36,6 @@ __all__ = [
     "plot_isotropy_removal",
     "render_figures",
     "summary",
+    "write_overview",
     "write_report",
 ]

@@ -28,7 +28,7 @@ from .figures import Rendered, render_figures
 from .summary import Claim, summary
 from .table import prepare, ranks, steps
 
-__all__ = ["MANIFEST_FILE", "is_report", "load_results", "write_report"]
+__all__ = ["MANIFEST_FILE", "is_report", "load_results", "write_overview", "write_report"]
 
 MANIFEST_FILE = "manifest.json"
 _GENERATOR = '<meta name="generator" content="tangentlens">'
@@ -40,7 +40,8 @@ h1{margin:0 0 4px}h2{margin-top:36px;border-bottom:2px solid #0072B2;padding-bot
 table.summary{border-collapse:collapse;width:100%;font-size:14px}
 table.summary th,table.summary td{border:1px solid #ccc;padding:6px 9px;text-align:left;
 vertical-align:top}table.summary th{background:#eef4fa}
-td.yes{background:#e3f2ea}td.no{background:#fbe5d6}td.partly{background:#fff4cc}
+td.yes,td.agrees{background:#e3f2ea}td.no,td.disagrees{background:#fbe5d6}
+td.partly,td.inconclusive{background:#fff4cc}
 figure{margin:26px 0;padding:0}figure h3{margin:0 0 6px}
 figure img{max-width:100%;height:auto;border:1px solid #e2e2e2}
 figcaption{font-size:15px;margin-top:4px}
@@ -206,3 +207,55 @@ def write_report(
         rendered.append((fig, png))
     page = _html(table, description, summary(table), rendered, config, manifest, title)
     return write_text(out, page)
+
+
+def _numbers(claim: dict[str, Any]) -> str:
+    parts = []
+    for key in ("early", "late", "difference", "decoder", "encoder"):
+        numbers = claim.get(key)
+        if numbers:
+            low, high = numbers["ci"]
+            parts.append(f"{key} {numbers['value']:.3g} [{low:.3g}, {high:.3g}]")
+    return "; ".join(parts)
+
+
+def write_overview(
+    folders: Mapping[str, Path],
+    claims: list[dict[str, Any]],
+    out_path: str | Path,
+    *,
+    title: str = "tangentlens demo: decoder and encoder",
+) -> Path:
+    """One self-contained page for several studies side by side: the paper's claims with
+    the numbers (value [95 % interval]) and a verdict per model and gradient object, then
+    each study's figures (from its ``figures/``) and a link to its own report."""
+    esc = html.escape
+    out = Path(out_path)
+    rows = "".join(
+        f"<tr><td>{esc(c['paper'])}</td><td>{esc(c['model'])}</td>"
+        f"<td>{esc(c['gradient_object'])}</td><td>{esc(c['statistic'])} (rank {c['rank']})</td>"
+        f'<td>{esc(_numbers(c))}</td><td class="{esc(c["verdict"])}">{esc(c["verdict"])}</td></tr>'
+        for c in claims
+    )
+    body = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{esc(title)}</h1>",
+        '<p class="meta">Verdicts come from 95 % jackknife intervals over groups of probe '
+        "sequences: agrees or disagrees only when the interval excludes the paper's line, "
+        "inconclusive otherwise.</p>",
+        "<h2>Claims</h2>",
+        '<table class="summary"><tr><th>Paper</th><th>Model</th><th>Gradient object</th>'
+        f"<th>Statistic</th><th>Measured</th><th>Verdict</th></tr>{rows}</table>",
+    ]
+    for name, folder in folders.items():
+        body.append(f'<h2>{esc(name)} <a href="{esc(name)}/report.html">(full report)</a></h2>')
+        for png in sorted(Path(folder, "figures").glob("*.png")):
+            data = base64.b64encode(png.read_bytes()).decode("ascii")
+            body.append(
+                f"<figure><h3>{esc(png.stem.replace('_', ' '))}</h3>"
+                f'<img src="data:image/png;base64,{data}" alt="{esc(png.stem)}"></figure>'
+            )
+    body.append("</body></html>")
+    return write_text(out, "\n".join(body) + "\n")

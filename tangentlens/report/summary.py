@@ -8,6 +8,7 @@ from typing import Any
 import pandas as pd
 
 from .table import ALPHA, CENTRES, PAPER, final, pick, prepare, residual_site, steps, window_means
+from .verdicts import verdicts
 
 __all__ = ["Claim", "format_summary", "summary"]
 
@@ -19,7 +20,7 @@ class Claim:
     quantity: str
     measured: str
     paper: str
-    agrees: str  # "yes", "no", "partly" or "n/a"
+    agrees: str  # "agrees", "disagrees", "inconclusive" (from intervals); else yes/no/partly/n/a
 
 
 def _agree(ok: bool | None) -> str:
@@ -54,7 +55,10 @@ def summary(results: Any) -> list[Claim]:
     ratio = pick(t, "energy_ratio", site=site, probe="gradient")
     pval = pick(t, "p_value", site=site, probe="gradient")
     early, late = window_means(ratio)
-    if early is not None and late is not None:
+    found = verdicts(t)
+    if found:  # a study: verdicts from the window intervals
+        claims += [_from_verdict(v) for v in found]
+    elif early is not None and late is not None:
         sig_e = _significant(pval[pval["window"] == "early"])
         sig_l = _significant(pval[pval["window"] == "late"])
         claims.append(Claim("Gradient energy ratio, early window (mean over layers)",
@@ -73,7 +77,7 @@ def summary(results: Any) -> list[Claim]:
 
     d_t = pick(t, "delta_iso_tangent", site=site, probe="gradient")
     d_n = pick(t, "delta_iso_normal", site=site, probe="gradient")
-    if len(d_t) and len(d_n):
+    if len(d_t) and len(d_n) and not found:
         mt, mn = float(d_t["value"].mean()), float(d_n["value"].mean())
         sig = _significant(pick(t, "isotropy_p_value", site=site, probe="gradient"))
         claims.append(Claim("ΔIsoScore*: remove Q_T vs a normal control (mean)",
@@ -93,6 +97,29 @@ def summary(results: Any) -> list[Claim]:
                             f"{last['value'].mean():.3f} (max {last['value'].max():.3f})",
                             "—", "n/a"))  # fmt: skip
     return claims
+
+
+def _interval(numbers: dict) -> str:
+    low, high = numbers["ci"]
+    return f"{numbers['value']:.3g} [{low:.3g}, {high:.3g}]"
+
+
+def _from_verdict(v: dict[str, Any]) -> Claim:
+    """A summary row from a `verdicts` record."""
+    what = {"gradient": "activation gradient", "weight_gradient": "weight gradient"}
+    obj = what[v["gradient_object"]]
+    if v["claim"] == "energy_early":
+        quantity = f"Energy ratio, early window ({obj}), 95 % CI"
+        measured = _interval(v["early"])
+    elif v["claim"] == "energy_late":
+        quantity = f"Energy ratio, late − early ({obj}), 95 % CI"
+        measured = _interval(v["difference"])
+        if v.get("late") is not None:
+            measured += f"; late {_interval(v['late'])}"
+    else:
+        quantity = "ΔIsoScore*: remove Q_T minus a normal control, early window, 95 % CI"
+        measured = _interval(v["early"])
+    return Claim(f"{quantity} (rank {v['rank']})", measured, v["paper"], v["verdict"])
 
 
 def format_summary(claims: list[Claim]) -> str:

@@ -46,6 +46,7 @@ from ..uncertainty import tangent_intervals
 from ..version import __version__
 from .collect import Part
 from .config import StudyConfig
+from .windows import WindowSummary
 
 __all__ = ["analyse"]
 
@@ -194,6 +195,7 @@ def _site_rows(
     site: Site,
     bases: dict[int, dict[Site, Any]],
     pooled_shape: Tensor,
+    summary: WindowSummary,
 ) -> None:
     """Activation and gradient statistics at one residual site of one checkpoint."""
     act, grad = part.acts[site], part.grads[site]
@@ -247,13 +249,22 @@ def _site_rows(
             )
             act_cis = tangent_intervals(act_groups, basis)
         rows.add("gradient", tests, rank=k, site=site, cis=cis)
+        if len(grad_groups) >= 2:
+            summary.activation_gradient(
+                rows.window, k, grad_groups, basis, tests, cfg.zeta, reference
+            )
         rows.add("residual", _share_stats(act, basis), rank=k, site=site, cis=act_cis)
         drift = TangentBasis.fit(act, basis.k)
         rows.add("basis", {"drift_overlap": subspace_overlap(basis, drift)}, rank=k, site=site)
 
 
 def _weight_rows(
-    rows: _Rows, cfg: StudyConfig, part: Part, site: Site, bases: dict[int, dict[Site, Any]]
+    rows: _Rows,
+    cfg: StudyConfig,
+    part: Part,
+    site: Site,
+    bases: dict[int, dict[Site, Any]],
+    summary: WindowSummary,
 ) -> None:
     """The weight-gradient object at an input site (``attn_in``/``mlp_in``): S = Σ G Gᵀ of
     the maps reading it, tested against Q_T fitted there, with jackknife intervals."""
@@ -268,6 +279,7 @@ def _weight_rows(
             total, basis, n_controls=cfg.n_controls, seed=cfg.seed, activation_moments=act
         )
         rows.add("weight_gradient", tests, rank=k, site=site, cis=matrix_intervals(groups, basis))
+        summary.weight_gradient(rows.window, k, groups, basis, tests["energy_ratio"])
         drift = TangentBasis.fit(act, basis.k)
         rows.add("basis", {"drift_overlap": subspace_overlap(basis, drift)}, rank=k, site=site)
 
@@ -336,6 +348,7 @@ def analyse(
     embed_bases = {k: b[embed_site] for k, b in bases.items()} if embed_site in sites else None
 
     rows = _Rows()
+    summary = WindowSummary()
     _basis_rows(rows.at(None, "early"), bases)
     counts_np = counts.numpy()
     prev: Tensor | None = None
@@ -347,9 +360,9 @@ def analyse(
         if step in duplicates:
             rows.add("checkpoint", {"duplicate_of": duplicates[step]})
         for site in sites:
-            _site_rows(rows, cfg, part, site, bases, pooled_shape[site])
+            _site_rows(rows, cfg, part, site, bases, pooled_shape[site], summary)
         for site in inputs:
-            _weight_rows(rows, cfg, part, site, bases)
+            _weight_rows(rows, cfg, part, site, bases, summary)
         for k in cfg.ranks:
             for write in writes:
                 target = write_basis_site(write, bases[k], n_layers)
@@ -360,6 +373,8 @@ def analyse(
         _embedding_rows(rows, cfg, embed, prev, counts_np, embed_bases)
         prev = embed
 
+    for record in summary.values():  # study-level: no checkpoint, no site
+        rows.rows.append({"probe": "window", **record})
     frame = rows.frame()
     notes = []
     if max(cfg.ranks) / d > 0.05:

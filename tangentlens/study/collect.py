@@ -27,10 +27,11 @@ from ..distributed import all_reduce_session, check_parent, shard
 from ..errors import CorruptFileError, UsageError
 from ..files import check_safetensors, config_digest, load_tensors, save_tensors, tensor_hash
 from ..hooks.base import get_backend
+from ..hooks.huggingface import is_causal
 from ..hooks.sites import INPUT_KINDS, WRITE_KINDS, Site
 from ..models import quiet_transformers
 from ..probes.base import Observation, Probe
-from ..probes.driver import lm_loss, run
+from ..probes.driver import lm_loss, masked_positions, mlm_loss, run
 from ..probes.weight_gradient import WeightGradientProbe
 from ..stats import Moments
 from ..subspace import TangentBasis
@@ -284,6 +285,9 @@ def _collect_one(
     mine = shard(batches, rank, world_size)
     sample = _TokenSample(cfg, tokens.shape, sites, d)
     nll = torch.zeros(1, dtype=torch.float64)
+    n_predicted = torch.zeros(1, dtype=torch.float64)
+    # decoders: the summed next-token loss; encoders: the summed masked-token loss
+    objective = lm_loss if is_causal(loaded.model) else mlm_loss
     inputs = [
         Site(layer, kind)
         for layer in range(n_layers)
@@ -303,8 +307,12 @@ def _collect_one(
             yield batch
 
     def loss(m: Any, batch: Any) -> Tensor:
-        value = lm_loss(m, batch)
+        value = objective(m, batch)
         nll.add_(float(value.detach()))
+        if objective is mlm_loss:
+            n_predicted.add_(int(masked_positions(m, batch).sum()))
+        else:
+            n_predicted.add_(batch.shape[0] * (batch.shape[1] - 1))
         return value
 
     handles = [backend.add_forward_hook(s, sample.hook(s)) for s in sample.buffers]
@@ -326,6 +334,7 @@ def _collect_one(
         for buffer in sample.buffers.values():
             dist.all_reduce(buffer)  # each row is filled on exactly one rank
         dist.all_reduce(nll)
+        dist.all_reduce(n_predicted)
     if rank != 0:
         return None
     tensors = dict(session.probes[moments.name].state_dict())
@@ -341,7 +350,8 @@ def _collect_one(
         "step": ckpt.step,
         "collect": _part_digest(cfg, tokens),
         "weights_hash": loaded.weights_hash,
-        "probe_loss": float(nll) / (tokens.shape[0] * (tokens.shape[1] - 1)),
+        "probe_loss": float(nll) / float(n_predicted),
+        "objective": "next-token" if objective is lm_loss else "masked-token",
         "train_loss": ckpt.metadata.get("loss"),
         "eval_loss": ckpt.metadata.get("eval_loss"),
         "n_layers": n_layers,

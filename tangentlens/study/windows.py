@@ -1,0 +1,117 @@
+"""Window summaries with intervals: the numbers the paper's dynamics claims turn on.
+
+For each gradient object (``gradient``: ∂L/∂h at the residual sites; ``weight_gradient``:
+Σ G Gᵀ at ``attn_in``/``mlp_in``) and rank, the mean of ``energy_ratio`` over the sites and
+checkpoints of the early and of the late window, their difference (late − early), and for
+the activation gradient the mean IsoScore* excess of removing Q_T over removing a normal
+control (``delta_iso_tangent − delta_iso_normal``). Each comes with a delete-a-group
+jackknife interval: the groups of probe batches are the same at every checkpoint, so
+leaving group g out of every row gives one leave-one-out value of the window mean.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..significance import delta_iso_tangent, energy_ratio
+from ..stats import Moments
+from ..subspace import TangentBasis, tangent_share
+from ..uncertainty import jackknife_interval
+
+__all__ = ["WindowSummary"]
+
+
+@dataclass
+class _Series:
+    """Point values and their leave-one-group-out values, one entry per row."""
+
+    values: list[float] = field(default_factory=list)
+    leave_one_out: list[list[float]] = field(default_factory=list)
+
+    def add(self, value: float, loo: list[float]) -> None:
+        self.values.append(value)
+        self.leave_one_out.append(loo)
+
+    def mean(self) -> tuple[float, list[float]] | None:
+        if not self.values or any(len(v) != len(self.leave_one_out[0]) for v in self.leave_one_out):
+            return None
+        n = len(self.values)
+        loo = [sum(v[g] for v in self.leave_one_out) / n for g in range(len(self.leave_one_out[0]))]
+        return sum(self.values) / n, loo
+
+
+class WindowSummary:
+    """Collects per-row values and leave-one-out values by (statistic, rank, window)."""
+
+    def __init__(self) -> None:
+        self._series: dict[tuple[str, int, str], _Series] = defaultdict(_Series)
+
+    def activation_gradient(
+        self,
+        window: str,
+        rank: int,
+        groups: list[Moments],
+        basis: TangentBasis,
+        tests: dict[str, float],
+        zeta: float,
+        reference: Tensor,
+    ) -> None:
+        """One residual site at one checkpoint (``groups``: its gradient Moments per group)."""
+        if window not in ("early", "late") or len(groups) < 2:
+            return
+        total = Moments()
+        for m in groups:
+            total.merge(m)
+        rest = [total - m for m in groups]
+        ratio = [energy_ratio(tangent_share(m, basis), basis.k, basis.d) for m in rest]
+        self._series["gradient_energy_ratio", rank, window].add(tests["energy_ratio"], ratio)
+        if "delta_iso_normal" in tests:
+            normal = tests["delta_iso_normal"]  # the controls' mean: held fixed
+            iso = [
+                delta_iso_tangent(m, basis, zeta=zeta, reference=reference) - normal for m in rest
+            ]
+            excess = tests["delta_iso_tangent"] - normal
+            self._series["gradient_delta_iso_excess", rank, window].add(excess, iso)
+
+    def weight_gradient(
+        self, window: str, rank: int, groups: list[Tensor], basis: TangentBasis, ratio: float
+    ) -> None:
+        """One input site at one checkpoint (``groups``: its S = Σ G Gᵀ per group)."""
+        if window not in ("early", "late"):
+            return
+        seen = [m for m in groups if float(torch.trace(m)) > 0]  # the same groups at every row
+        if len(seen) < 2:
+            return
+        total = sum(seen)
+        loo = [energy_ratio(tangent_share(total - m, basis), basis.k, basis.d) for m in seen]
+        self._series["weight_gradient_energy_ratio", rank, window].add(ratio, loo)
+
+    def values(self) -> list[dict[str, Any]]:
+        """``(statistic, rank, window, value, ci_low, ci_high)`` records: each window's mean
+        and, where both windows exist, ``{statistic}_late_minus_early``."""
+        out = []
+        means = {key: s.mean() for key, s in self._series.items()}
+        for (stat, rank, window), mean in sorted(means.items()):
+            if mean is None:
+                continue
+            low, high = jackknife_interval(mean[1], mean[0])
+            out.append(_record(stat, rank, window, mean[0], low, high))
+        for (stat, rank, window), late in sorted(means.items()):
+            early = means.get((stat, rank, "early"))
+            if window != "late" or late is None or early is None:
+                continue
+            diff = late[0] - early[0]
+            loo = [b - a for a, b in zip(early[1], late[1], strict=True)]
+            low, high = jackknife_interval(loo, diff)
+            out.append(_record(f"{stat}_late_minus_early", rank, "late-early", diff, low, high))
+        return out
+
+
+def _record(stat: str, rank: int, window: str, value: float, low: float, high: float) -> dict:
+    return {"statistic": stat, "rank": rank, "window": window, "value": value,
+            "ci_low": low, "ci_high": high}  # fmt: skip
