@@ -366,7 +366,9 @@ def test_smollm2_probes_on_real_text() -> None:
     assert set(table["head"].dropna()) == set(range(9))
     shares = table[table["statistic"] == "tangent_share"]["value"]
     assert ((shares > 0) & (shares <= 1 + 1e-9)).all()
-    term_shares = table[table["statistic"].str.startswith("score_share_")]
+    term_shares = table[table["statistic"].str.fullmatch(r"score_share_(TT|TN|NT|NN|bias)")]
+    z = table[table["statistic"] == "score_share_TT_z"]["value"]  # against matched-rank frames
+    assert len(z) == len(layers) * 9 and np.isfinite(z).all()
     per_head = term_shares.groupby(["layer", "head"])["value"].sum()
     np.testing.assert_allclose(per_head.to_numpy(float), 1.0, rtol=1e-9)
 

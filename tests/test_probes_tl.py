@@ -396,3 +396,18 @@ def test_depth_profile_onset_amplification_and_plot(fitted: dict) -> None:
         DepthProfile(session.results(), site="embed")
     with pytest.raises(ValueError, match="filter them to one first"):
         DepthProfile(pd.concat([session.results(), session.results()]))
+
+
+def test_head_null_rows_and_switch(fitted: dict) -> None:
+    """Per-head shares come with their matched-rank null (mean, spread, z); head_null=0
+    turns it off."""
+    model, bases = tl_bridge("gpt2"), fitted["gpt2"]
+    table = run(model, [tokens("gpt2")], bases, ("attention",), **OPTS).results()
+    for t in ("TT", "TN", "NT", "NN", "bias"):
+        null = table[table["statistic"] == f"score_share_{t}_null"]
+        assert len(null) == 2 * 4 and null["head"].notna().all()  # 2 layers × 4 heads
+        assert ((null["value"] >= 0) & (null["value"] <= 1)).all()
+    z = table[table["statistic"] == "score_share_TT_z"]["value"]
+    assert len(z) == 8 and z.notna().all()
+    off = run(model, [tokens("gpt2")], bases, ("attention",), head_null=0, **OPTS).results()
+    assert not off["statistic"].str.endswith(("_null", "_z")).any()

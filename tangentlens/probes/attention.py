@@ -25,7 +25,8 @@ from ..decompose import TERMS, AttentionParams, decompose_scores, keep_mask
 from ..errors import CorruptFileError, UsageError
 from ..hooks.sites import Site
 from ..hooks.transformer_lens import norm_from_bridge, params_from_bridge
-from ..subspace import TangentBasis
+from ..subspace import TangentBasis, normal_controls
+from ..validation import check_int
 from .base import Observation, Probe, row
 
 __all__ = ["STATISTICS", "AttentionAccumulator", "AttentionProbe", "score_terms"]
@@ -245,13 +246,26 @@ class AttentionProbe(Probe):
     is a linearisation (q/k norms, their scale frozen per token and head: Qwen3, Gemma 3,
     OLMo 2), the site also gets a row ``statistic="linearised_qk_norm"``, ``value=1``
     (head <NA>), so a table says which numbers rest on it.
+
+    The null: the same statistics with ``n_null`` random frames of matched rank in the
+    complement of Q_T in place of Q_T (`normal_controls`), as rows ``{statistic}_null``
+    (mean over frames), ``{statistic}_null_std`` and ``{statistic}_z`` per head; each frame
+    costs one more split of the scores (``n_null=0`` turns the null off).
     """
 
     name = "attention"
 
-    def __init__(self, layers: Mapping[Site, tuple[TangentBasis, AttentionParams]]) -> None:
+    def __init__(
+        self,
+        layers: Mapping[Site, tuple[TangentBasis, AttentionParams]],
+        *,
+        n_null: int = 4,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.layers = dict(layers)
+        self.n_null = check_int(n_null, "n_null (head null frames)", minimum=0)
+        self.null_bases: dict[Site, list[TangentBasis]] = {}
         for site, (basis, params) in self.layers.items():
             if site.kind != "attn_in":
                 raise UsageError(f"the attention probe reads attn_in sites; got {site}.")
@@ -261,6 +275,12 @@ class AttentionProbe(Probe):
                     f"{params.d_model}; fit the basis at this layer's attention input."
                 )
             self.add_state(site.hook_name, lambda n=params.n_heads: AttentionAccumulator(n))
+            if self.n_null and 2 * basis.k <= basis.d:
+                frames = normal_controls(basis, self.n_null, seed=seed + site.layer)
+                self.null_bases[site] = [TangentBasis(f) for f in frames]
+                for j in range(self.n_null):
+                    key = f"{site.hook_name}/null{j}"
+                    self.add_state(key, lambda n=params.n_heads: AttentionAccumulator(n))
 
     @property
     def forward_sites(self) -> list[Site]:
@@ -268,10 +288,13 @@ class AttentionProbe(Probe):
 
     def update(self, obs: Observation) -> None:
         basis, params = self.layers[obs.site]
-        terms = decompose_scores(obs.tensor, basis, params)
-        self.state(obs.site.hook_name).update(
-            terms, obs.mask, causal=params.causal, window=params.window
-        )
+        keys = [(obs.site.hook_name, basis)] + [
+            (f"{obs.site.hook_name}/null{j}", b)
+            for j, b in enumerate(self.null_bases.get(obs.site, []))
+        ]
+        for key, b in keys:
+            terms = decompose_scores(obs.tensor, b, params)
+            self.state(key).update(terms, obs.mask, causal=params.causal, window=params.window)
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
@@ -279,11 +302,26 @@ class AttentionProbe(Probe):
             acc = self.state(site.hook_name)
             if acc.entries == 0:
                 continue
-            for stat, per_head in acc.results().items():
-                out += [
-                    row(self.name, Site(site.layer, site.kind, h), stat, float(v))
-                    for h, v in enumerate(per_head.tolist())
-                ]
+            values = acc.results()
+            nulls = [
+                self.state(f"{site.hook_name}/null{j}").results()
+                for j in range(len(self.null_bases.get(site, [])))
+            ]
+            for stat, per_head in values.items():
+                per_stat = {stat: per_head}
+                if len(nulls) >= 2:
+                    null = torch.stack([n[stat] for n in nulls])  # (n_null, heads)
+                    mean, std = null.mean(0), null.std(0)
+                    per_stat |= {
+                        f"{stat}_null": mean,
+                        f"{stat}_null_std": std,
+                        f"{stat}_z": (per_head - mean) / std,
+                    }
+                for name, heads in per_stat.items():
+                    out += [
+                        row(self.name, Site(site.layer, site.kind, h), name, float(v))
+                        for h, v in enumerate(heads.tolist())
+                    ]
             linearised = self.layers[site][1].linearised
             if linearised is not None:
                 out.append(row(self.name, site, f"linearised_{linearised}", 1.0))

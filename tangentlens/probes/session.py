@@ -74,7 +74,9 @@ class ProbeSession:
 
     Use as a context manager (`probe`); read `results` afterwards (or inside). Each
     probe is a `tangentlens.probes.base.Probe` in ``self.probes`` (name → probe).
-    ``probes`` mixes built-in names and your own `Probe` objects. ``group_of(i)`` gives
+    ``head_null``: random frames of matched rank behind each head's null
+    (``score_share_*_null``, ``_z``; 0 turns it off). ``probes`` mixes built-in names and
+    your own `Probe` objects. ``group_of(i)`` gives
     the group of the sequences of forward pass i (default: i), for intervals over tokens.
     ``leaves``: set to a list to collect the embedding outputs (made leaves requiring
     grad) of every forward, to take gradients with respect to them (`run` does).
@@ -93,6 +95,7 @@ class ProbeSession:
         reservoir: int = 0,
         n_groups: int = 10,
         group_of: Callable[[int], int] | None = None,
+        head_null: int = 4,
     ) -> None:
         self.backend: Backend = get_backend(model)
         self.model = model
@@ -110,6 +113,7 @@ class ProbeSession:
         check_int(n_controls, "n_controls", minimum=1)
         self.n_groups = check_int(n_groups, "n_groups", minimum=2)
         self.group_of = group_of
+        self.head_null = check_int(head_null, "head_null", minimum=0)
         self.bases = as_bases(bases)
         self.skipped: dict[str, str] = {}  # probe name -> why it cannot run on this model
         self.probes: dict[str, Probe] = (
@@ -181,7 +185,9 @@ class ProbeSession:
                 "attention",
                 inputs,
                 lambda: AttentionProbe(
-                    {s: (b, self.backend.attention_params(s.layer)) for s, b in inputs.items()}
+                    {s: (b, self.backend.attention_params(s.layer)) for s, b in inputs.items()},
+                    n_null=self.head_null,
+                    seed=seed,
                 ),
             )
         if "weight_gradient" in self.names:
