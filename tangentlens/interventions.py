@@ -109,6 +109,22 @@ def _effect_rows(
     ]
 
 
+def _setup(
+    model: Any,
+    batches: Iterable[Any],
+    bases: Mapping[str | Site, TangentBasis],
+    part: str,
+    n_null: int,
+    metric: Metric | None,
+) -> tuple[list[Any], Metric, Backend, dict[Site, TangentBasis]]:
+    """Checked arguments of an effects routine: the batches, the metric, the backend and
+    the bases by site."""
+    _check_part(part)
+    check_int(n_null, "n_null", minimum=2)
+    metric = _default_metric if metric is None else metric
+    return list(batches), metric, get_backend(model), as_bases(bases)
+
+
 def causal_effects(
     model: Any,
     batches: Iterable[Any],
@@ -129,12 +145,7 @@ def causal_effects(
     ``delta_metric_null_mean``/``_std``, ``z`` and ``p_value`` = (1 + #{|null| ≥
     |effect|})/(n_null + 1). Each intervention's hook is removed before the next.
     """
-    _check_part(part)
-    n_null = check_int(n_null, "n_null", minimum=2)
-    batches = list(batches)
-    metric = _default_metric if metric is None else metric
-    backend = get_backend(model)
-    by_site = as_bases(bases)
+    batches, metric, backend, by_site = _setup(model, batches, bases, part, n_null, metric)
     chosen = [s for s in select_sites(list(by_site), sites) if s in by_site]
     if not chosen:
         raise UsageError("no site with a basis is selected; fit bases there or widen sites=.")
@@ -214,12 +225,7 @@ def head_effects(
     Uses the bases at ``attn_in`` (``blocks.{l}.ln1.hook_out``). Under grouped-query
     attention the key edit is on the head's kv head, which its group shares.
     """
-    _check_part(part)
-    n_null = check_int(n_null, "n_null", minimum=2)
-    batches = list(batches)
-    metric = _default_metric if metric is None else metric
-    backend = get_backend(model)
-    by_site = as_bases(bases)
+    batches, metric, backend, by_site = _setup(model, batches, bases, part, n_null, metric)
     wanted = range(backend.n_layers) if layers is None else layers
     sites = [Site(layer, "attn_in") for layer in wanted if Site(layer, "attn_in") in by_site]
     hook_dict = getattr(model, "hook_dict", {})

@@ -254,8 +254,13 @@ def _site_rows(
                 rows.window, k, grad_groups, basis, tests, cfg.zeta, reference
             )
         rows.add("residual", _share_stats(act, basis), rank=k, site=site, cis=act_cis)
-        drift = TangentBasis.fit(act, basis.k)
-        rows.add("basis", {"drift_overlap": subspace_overlap(basis, drift)}, rank=k, site=site)
+        _drift_row(rows, act, basis, k, site)
+
+
+def _drift_row(rows: _Rows, act: Moments, basis: TangentBasis, k: int, site: Site) -> None:
+    """``drift_overlap``: Q_T against this checkpoint's own top-k PCA subspace."""
+    drift = TangentBasis.fit(act, basis.k)
+    rows.add("basis", {"drift_overlap": subspace_overlap(basis, drift)}, rank=k, site=site)
 
 
 def _weight_rows(
@@ -280,8 +285,7 @@ def _weight_rows(
         )
         rows.add("weight_gradient", tests, rank=k, site=site, cis=matrix_intervals(groups, basis))
         summary.weight_gradient(rows.window, k, groups, basis, tests["energy_ratio"])
-        drift = TangentBasis.fit(act, basis.k)
-        rows.add("basis", {"drift_overlap": subspace_overlap(basis, drift)}, rank=k, site=site)
+        _drift_row(rows, act, basis, k, site)
 
 
 def _embedding_rows(
