@@ -211,7 +211,7 @@ def write_report(
 
 def _numbers(claim: dict[str, Any]) -> str:
     parts = []
-    for key in ("early", "late", "difference", "decoder", "encoder"):
+    for key in ("early", "late", "difference", "decoder", "encoder", "last"):
         numbers = claim.get(key)
         if numbers:
             low, high = numbers["ci"]

@@ -36,6 +36,7 @@ def summary(results: Any) -> list[Claim]:
     t = prepare(results)
     site = residual_site(t)
     claims: list[Claim] = []
+    found = verdicts(t)
 
     r = {c: final(t, f"pearson_{c}") for c in CENTRES}
     if any(v is not None for v in r.values()):
@@ -49,13 +50,13 @@ def summary(results: Any) -> list[Claim]:
         # "partly": strongly negative for some centre, but the sign depends on the centre
         strong = min(values) <= -0.3
         ok = "no" if not strong else ("yes" if max(values) < 0 else "partly")
+        ok = "n/a" if found else ok  # a study: the verdict below comes from an interval
         claims.append(Claim("Frequency vs distance, Pearson r (last step)", shown,
                             PAPER["frequency"], ok))  # fmt: skip
 
     ratio = pick(t, "energy_ratio", site=site, probe="gradient")
     pval = pick(t, "p_value", site=site, probe="gradient")
     early, late = window_means(ratio)
-    found = verdicts(t)
     if found:  # a study: verdicts from the window intervals
         claims += [_from_verdict(v) for v in found]
     elif early is not None and late is not None:
@@ -106,7 +107,11 @@ def _interval(numbers: dict) -> str:
 
 def _from_verdict(v: dict[str, Any]) -> Claim:
     """A summary row from a `verdicts` record."""
-    what = {"gradient": "activation gradient", "weight_gradient": "weight gradient"}
+    what = {
+        "gradient": "activation gradient",
+        "weight_gradient": "weight gradient",
+        "embedding": "embedding",
+    }
     obj = what[v["gradient_object"]]
     if v["claim"] == "energy_early":
         quantity = f"Energy ratio, early window ({obj}), 95 % CI"
@@ -116,6 +121,9 @@ def _from_verdict(v: dict[str, Any]) -> Claim:
         measured = _interval(v["difference"])
         if v.get("late") is not None:
             measured += f"; late {_interval(v['late'])}"
+    elif v["claim"] == "frequency":
+        quantity = "Frequency vs distance to the frequency-weighted centre, Pearson r, 95 % CI"
+        measured = _interval(v["last"])
     else:
         quantity = "ΔIsoScore*: remove Q_T minus a normal control, early window, 95 % CI"
         measured = _interval(v["early"])
@@ -130,5 +138,5 @@ def format_summary(claims: list[Claim]) -> str:
     for c in claims:
         lines.append(f"  {c.quantity}: {c.measured}")
         if c.paper != "—":
-            lines.append(f"      paper: {c.paper}  [agrees: {c.agrees}]")
+            lines.append(f"      paper: {c.paper}  [verdict: {c.agrees}]")
     return "\n".join(lines)

@@ -52,7 +52,9 @@ def _claim(model: str, obj: str, name: str, stat: str, rank: int, **numbers: Any
 
 def verdicts(table: pd.DataFrame, *, model: str = "decoder") -> list[dict[str, Any]]:
     """Each claim of the paper this study's window rows speak to, per gradient object,
-    with the numbers (value and 95 % interval) and a verdict; the smallest rank."""
+    with the numbers (value and 95 % interval) and a verdict; the smallest rank. The
+    frequency claim reads the frequency-weighted centre's Pearson r at the last checkpoint
+    (Fisher interval); the paper's sign depends on the centre, which the report shows."""
     windows = select(table, probe="window")
     if windows.empty:
         return []
@@ -72,6 +74,16 @@ def verdicts(table: pd.DataFrame, *, model: str = "decoder") -> list[dict[str, A
             name = f"{stat}_late_minus_early"
             out.append(_claim(model, obj, "energy_late", name, rank, early=early, late=late,
                               difference=diff, verdict=verdict))  # fmt: skip
+    weighted = select(table, probe="embedding", statistic="pearson_weighted").dropna(
+        subset=["step"]
+    )
+    if len(weighted):
+        last = weighted[weighted["step"] == weighted["step"].max()].iloc[0]
+        numbers = {"value": float(last["value"]), "ci": [float(last["ci_low"]),
+                                                          float(last["ci_high"])]}  # fmt: skip
+        verdict = _verdict(*numbers["ci"], line=0.0, above_agrees=False)
+        out.append(_claim(model, "embedding", "frequency", "pearson_weighted", rank,
+                          last=numbers, verdict=verdict))  # fmt: skip
     iso = _window(table, "gradient_delta_iso_excess", "early", rank)
     if iso is not None:
         verdict = _verdict(*iso["ci"], line=0.0, above_agrees=True)
