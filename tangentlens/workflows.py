@@ -1,8 +1,8 @@
 """What each command does, as functions the CLI calls (and notebooks may too).
 
 `probe_model` (one model: bases, probes, tables, report), `train_config` (the small
-model's checkpoints), `run_study` (the study over a series), `probe_heads` (per-head
-attention probe of chosen checkpoints), `render_report` and `demo` (all of it, offline).
+model's checkpoints), `run_study` (the study over a series), `render_report` and `demo`
+(a decoder and an encoder, all of it, offline).
 Each takes keyword options and a ``log`` callable for its one-line progress messages; the
 CLI passes ``print``. Each command that writes a folder holds it as its one writer for the
 whole run (`tangentlens.files.lock_folder`) and writes only into a folder that it made
@@ -23,7 +23,6 @@ import pandas as pd
 from torch import Tensor
 
 from . import results
-from .checkpoints import CheckpointSeries
 from .corpus import encode, load_lines
 from .distributed import run_probe
 from .errors import MissingFileError, UsageError
@@ -43,12 +42,10 @@ from .version import __version__
 
 __all__ = [
     "CHECKPOINTS_DIR",
-    "HEADS_DIR",
     "QUICK_STUDY",
     "DemoOutcome",
     "demo",
     "probe_checkpoint",
-    "probe_heads",
     "probe_model",
     "render_report",
     "run_study",
@@ -58,7 +55,6 @@ __all__ = [
 ]
 
 CHECKPOINTS_DIR = "checkpoints"
-HEADS_DIR = "heads"
 QUICK_STUDY = {"n_controls": 50, "n_permutations": 20, "n_sequences": 8, "reservoir": 256}
 PROBE_OUTPUTS = ("results.csv", "results.json", "manifest.json", "report.html", "bases", "figures")
 MODEL_KINDS = {"decoder": "causal", "encoder": "masked"}
@@ -380,32 +376,6 @@ def render_report(folder: str | Path, target: str | Path | None = None) -> Path:
         return write_report(source, page)
 
 
-def probe_heads(
-    checkpoints: Path, out: Path, table: pd.DataFrame, *, progress: bool = True
-) -> Path:
-    """Attention-head probe of the last early-window and the final checkpoint (the
-    study itself has no per-head numbers), as a results table of its own under
-    ``out/heads/`` (the report reads it with the study's); returns its path."""
-    series = CheckpointSeries.from_folder(checkpoints)
-    windows = table.drop_duplicates("step").set_index("step")["window"]
-    early = [s for s in series.steps if windows.get(s) == "early"]
-    chosen = sorted({early[-1] if early else series.steps[0], series.steps[-1]})
-    rank = int(pd.to_numeric(table["rank"], errors="coerce").min())
-    frames = []
-    for step in chosen:
-        with quiet_transformers():
-            loaded = load(str(series[series.index(step)].source), "transformer_lens")
-        seq_len = min(64, context_length(loaded.model) or 64)
-        blocks = token_blocks(loaded.tokenizer, None, 16 * seq_len, seq_len)
-        heads, _ = probe_checkpoint(
-            loaded.model, blocks, rank=rank, probes=("attention",), progress=progress
-        )
-        frames.append(
-            heads.assign(checkpoint=f"step{step}", step=step, window=windows.get(step), rank=rank)
-        )
-    return results.write(pd.concat(frames, ignore_index=True), out / HEADS_DIR)[0]
-
-
 # ----------------------------------------------------------------------------- demo
 @dataclass(frozen=True)
 class DemoOutcome:
@@ -434,10 +404,9 @@ def demo(
             config = train_config(quick=quick, objective=objective)
             log(f"{step} {kind}: training ({objective}, {config.max_steps} steps) → {folder}")
             train(config, folder / CHECKPOINTS_DIR, progress=progress)
-            log(f"{step} {kind}: the study over its checkpoints, then its heads")
+            log(f"{step} {kind}: the study over its checkpoints (heads included)")
             cfg = study_config(str(folder / CHECKPOINTS_DIR), quick=quick)
             tables[kind] = Study(cfg).run(folder, progress=progress)
-            probe_heads(folder / CHECKPOINTS_DIR, folder, tables[kind], progress=progress)
             write_report(folder, folder / "report.html", title=f"tangentlens demo: {kind}")
         log(f"[{len(MODEL_KINDS) + 1}/{len(MODEL_KINDS) + 1}] verdicts and the report")
         claims = [c for kind in MODEL_KINDS for c in verdicts(tables[kind], model=kind)]

@@ -174,7 +174,9 @@ def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixt
         steps = sorted(int(p.name[4:]) for p in (folder / "checkpoints").glob("step*"))
         assert steps == [0, 1, 2, 4, 8]
         assert (folder / "results.csv").is_file() and (folder / "manifest.json").is_file()
-        assert (folder / "heads" / "results.csv").is_file()
+        table = pd.read_csv(folder / "results.csv")
+        heads = table[table["statistic"] == "score_share_TT"]  # heads inside the study
+        assert set(heads["step"]) == set(steps) and heads["head"].notna().all()
         assert (folder / "report.html").read_text().count("data:image/png;base64,") == 6
     assert (out / "report.html").read_text().count("data:image/png;base64,") == 12
 

@@ -145,7 +145,12 @@ def test_table_columns_windows_and_statistics(study):
     windows = frame.groupby("step")["window"].first().to_dict()
     # 8 checkpoints, fraction 0.3: ceil(2.4) = 3 per window
     assert [windows[s] for s in STEPS] == ["early"] * 3 + ["middle"] * 2 + ["late"] * 3
-    assert frame["head"].isna().all()
+    heads = frame[frame["probe"] == "attention"]  # per-head shares at every checkpoint
+    assert frame.loc[frame["probe"] != "attention", "head"].isna().all()
+    assert set(heads["step"]) == set(STEPS) and heads["head"].notna().all()
+    assert set(heads["rank"]) == {2}  # the smallest rank
+    tt = heads[heads["statistic"] == "score_share_TT"]["value"]
+    assert ((tt >= 0) & (tt <= 1)).all()
     for step in STEPS:
         for layer, site in RES_SITES:
             here = dict(step=step, layer=layer, site=site)

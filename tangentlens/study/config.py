@@ -30,6 +30,7 @@ class StudyConfig:
     sites: tuple[str, ...] = ("resid_pre", "resid_post")
     writes: bool = True  # attn_out / mlp_out activation Moments for the write ratios
     weight_gradient: bool = True  # Σ G Gᵀ of the maps reading attn_in / mlp_in (the paper's)
+    head_sequences: int = 8  # probe sequences behind the per-head shares (0: no heads)
     rank: int | tuple[int, ...] = 16
     window_fraction: float = 0.3
     windows: str = "step"  # "step": fraction of training steps; "index": of checkpoints
@@ -90,6 +91,10 @@ class StudyConfig:
         ranks = sorted({int(r) for r in ranks})
         self.rank = ranks[0] if len(ranks) == 1 else tuple(ranks)
         positive = ("n_controls", "n_sequences", "seq_len", "batch_size", "n_permutations")
+        if not is_int(self.head_sequences) or self.head_sequences < 0:
+            raise UsageError(
+                f"StudyConfig.head_sequences must be an int >= 0; got {self.head_sequences!r}."
+            )
         if not is_int(self.n_groups) or self.n_groups < 2:
             raise UsageError(f"StudyConfig.n_groups must be an int >= 2; got {self.n_groups!r}.")
         for name in positive:

@@ -43,6 +43,7 @@ from .collect import (
     stale_parts,
 )
 from .config import StudyConfig, open_series, threads
+from .heads import HEADS_DIR, head_rows
 
 __all__ = ["CONFIG_FILE", "OUTPUTS", "Study"]
 
@@ -57,6 +58,7 @@ OUTPUTS = (
     "report.html",
     "bases",
     "figures",
+    HEADS_DIR,
 )
 """What a study writes into its folder."""
 _RESULTS = ("parts/step*.safetensors", "results.csv")
@@ -114,6 +116,12 @@ class Study:
             parts = {c.step: load_part(part_path(out, c.step)) for c in series}
             check_parts_match(series, parts)
             frame, info = analyse(cfg, series, windows, parts, counts, out, progress)
+            window = {step: "middle" for step in series.steps}
+            for name in ("early", "late"):
+                window |= {series.steps[i]: name for i in windows[name]}
+            heads = head_rows(cfg, series, window, out, tokens, progress)
+        if heads is not None:
+            frame = results.frame(pd.concat([frame, heads], ignore_index=True), results.COLUMNS)
         results.write(frame, out)
         manifest = {
             **info,
