@@ -14,6 +14,7 @@ and BERT bridges it is the post-softmax pattern.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -315,7 +316,7 @@ class AttentionProbe(Probe):
                     per_stat |= {
                         f"{stat}_null": mean,
                         f"{stat}_null_std": std,
-                        f"{stat}_z": (per_head - mean) / std,
+                        f"{stat}_z": _z(per_head, mean, std),
                     }
                 for name, heads in per_stat.items():
                     out += [
@@ -326,3 +327,12 @@ class AttentionProbe(Probe):
             if linearised is not None:
                 out.append(row(self.name, site, f"linearised_{linearised}", 1.0))
         return out
+
+
+def _z(value: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """(value − mean)/std; 0 where the null does not vary and the value equals it (a term
+    that is zero in every frame, such as the bias term of a bias-free model), ±inf where
+    it does not vary but the value differs."""
+    diff = value - mean
+    safe = torch.where(std > 0, std, torch.ones_like(std))
+    return torch.where(std > 0, diff / safe, torch.where(diff == 0, 0.0, diff * math.inf))
