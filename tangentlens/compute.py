@@ -1,10 +1,11 @@
 """Where the numbers are computed: thread limits for small dense linear algebra.
 
-On a CPU, d × d eigendecompositions and matrix products at d ≤ ~1,000 run fastest on one
-thread, and far faster when the machine is busy: `results()` of a probe session on
-SmolLM2 (d = 576) took 8.6 s on one thread against 45 s on two on this 2-core machine
-(`benchmarks/bench_end_to_end.py`). Threads that outnumber free cores also make results
-depend on scheduling; one thread keeps them bit-reproducible.
+Threads that outnumber free cores make d × d eigendecompositions at d ≤ ~1,000 far slower
+and make results depend on scheduling. `benchmarks/bench_threads.py` measures `results()`
+on SmolLM2 (d = 576, 30 sites) on this 2-core machine: on a quiet machine two threads beat
+one (4.9 s against 6.4 s); on a machine busy with other work one thread was the faster by
+far. The study runs on one thread (`StudyConfig.num_threads`), sessions leave the threads
+as they are unless asked (`ProbeSession.results(threads=1)`).
 """
 
 from __future__ import annotations

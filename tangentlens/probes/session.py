@@ -422,7 +422,7 @@ class ProbeSession:
         *,
         tag: str | None = None,
         step: int | None = None,
-        threads: int | None = 1,
+        threads: int | None = None,
         progress: bool = True,
     ) -> Any:
         """The long results table (`tangentlens.results`): one row per number, ``head``
@@ -430,8 +430,8 @@ class ProbeSession:
         tag (``tag=`` / ``step=`` select one). Raises `UsageError` when the session saw no
         forward pass, no backward pass where gradients were asked, or lost its hooks.
 
-        ``threads``: torch/BLAS threads for the tests' d × d algebra (1: fastest at
-        d ≤ ~1,000 on CPU, see `tangentlens.compute`; None: leave them); ``progress``: a
+        ``threads``: torch/BLAS threads for the tests' d × d algebra (None: as they are;
+        1 helps on a busy CPU, see `tangentlens.compute`); ``progress``: a
         bar over the sites when the tests take more than a couple of seconds."""
         self._check_seen()
         for p in self.probes.values():
