@@ -3,8 +3,8 @@ at every checkpoint, measured with the study's own ``attn_in`` bases (the smalle
 
 The pass needs Q_T, which the analysis fits from the early window, so it runs after the
 analysis: one forward (no backward) per checkpoint over the first ``head_sequences``
-probe sequences. Each checkpoint's rows are saved as ``heads/step{N}.csv``, so a resumed
-study does not redo them.
+probe sequences. It is redone on every run, from the bases of that run: a cache of head
+rows could outlive the bases it was measured with (a study rebuilt with other settings).
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from ..probes.bases import BasisSet
 from ..probes.driver import run
 from .config import StudyConfig
 
-__all__ = ["HEADS_DIR", "head_rows"]
-
-HEADS_DIR = "heads"
+__all__ = ["head_rows"]
 
 
 def head_rows(
@@ -45,10 +43,6 @@ def head_rows(
     batches = list(tokens[: cfg.head_sequences].split(cfg.batch_size))
     frames = []
     for i, ckpt in enumerate(tqdm(list(series), desc="study: heads", disable=not progress)):
-        path = out / HEADS_DIR / f"step{ckpt.step}.csv"
-        if path.is_file():
-            frames.append(results.read(path))
-            continue
         with quiet_transformers():
             model = series.load(i, backend=cfg.backend).backend_model
         table = run(model, batches, inputs, ("attention",), progress=False, head_null=0)
@@ -56,6 +50,5 @@ def head_rows(
         rows = rows[rows["probe"] == "attention"].assign(
             checkpoint=f"step{ckpt.step}", step=ckpt.step, window=window[ckpt.step], rank=rank
         )
-        results.write(rows, out / HEADS_DIR, name=f"step{ckpt.step}")
         frames.append(results.frame(rows))
     return pd.concat(frames, ignore_index=True)

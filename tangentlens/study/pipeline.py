@@ -43,7 +43,7 @@ from .collect import (
     stale_parts,
 )
 from .config import StudyConfig, open_series, threads
-from .heads import HEADS_DIR, head_rows
+from .heads import head_rows
 
 __all__ = ["CONFIG_FILE", "OUTPUTS", "Study"]
 
@@ -58,7 +58,6 @@ OUTPUTS = (
     "report.html",
     "bases",
     "figures",
-    HEADS_DIR,
 )
 """What a study writes into its folder."""
 _RESULTS = ("parts/step*.safetensors", "results.csv")
