@@ -261,21 +261,11 @@ def _params_from_hf(module: nn.Module, rotary_emb: nn.Module | None) -> Attentio
         return AttentionParams(w_q, w_k, b_q, b_k, float(module.scaling), None, True)
     if hasattr(module, "query_key_value") and hasattr(module, "rotary_ndims"):  # GPT-NeoX
         # fused rows are laid out (head, [q|k|v], d_head)
-        n = int(module.config.num_attention_heads)
-        lin = module.query_key_value
-        w_q, w_k, _ = rearrange(lin.weight, "(h three e) d -> three h d e", h=n, three=3)
-        b_q = b_k = None
-        if lin.bias is not None:
-            b_q, b_k, _ = rearrange(lin.bias, "(h three e) -> three h e", h=n, three=3)
+        w_q, w_k, b_q, b_k = _fused_qk(module.query_key_value, module, "h three e")
         rot = _require_rotary(module, rotary_emb)
         return AttentionParams(w_q, w_k, b_q, b_k, float(module.scaling), rot, True)
     if hasattr(module, "Wqkv"):  # ModernBERT: fused rows laid out ([q|k|v], head, d_head)
-        n = int(module.config.num_attention_heads)
-        lin = module.Wqkv
-        w_q, w_k, _ = rearrange(lin.weight, "(three h e) d -> three h d e", h=n, three=3)
-        b_q = b_k = None
-        if lin.bias is not None:
-            b_q, b_k, _ = rearrange(lin.bias, "(three h e) -> three h e", h=n, three=3)
+        w_q, w_k, b_q, b_k = _fused_qk(module.Wqkv, module, "three h e")
         rot = _require_rotary(module, rotary_emb)
         causal = bool(getattr(module, "is_causal", False))
         scale = float(module.head_dim) ** -0.5
@@ -305,6 +295,19 @@ def _params_from_hf(module: nn.Module, rotary_emb: nn.Module | None) -> Attentio
         "ModernBertAttention, a q_proj/k_proj (Llama-style) module or BertAttention. Build "
         "AttentionParams by hand."
     )
+
+
+def _fused_qk(
+    lin: nn.Module, module: nn.Module, rows: str
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """W_Q, W_K (head, d, d_head) and b_Q, b_K of a fused q/k/v ``nn.Linear`` whose output
+    rows are laid out as ``rows`` (GPT-NeoX "h three e", ModernBERT "three h e")."""
+    n = int(module.config.num_attention_heads)
+    w_q, w_k, _ = rearrange(lin.weight, f"({rows}) d -> three h d e", h=n, three=3)
+    if lin.bias is None:
+        return w_q, w_k, None, None
+    b_q, b_k, _ = rearrange(lin.bias, f"({rows}) -> three h e", h=n, three=3)
+    return w_q, w_k, b_q, b_k
 
 
 def _require_rotary(module: nn.Module, rotary_emb: nn.Module | None) -> RotaryFn:

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import UsageError
+from .sites import KINDS
 
 __all__ = ["Layout", "input_linears", "layout", "submodule"]
 
@@ -71,15 +72,7 @@ class Layout:
     linears: Mapping[str, tuple[str, ...]]  # site kind -> paths of the linear maps reading it
 
 
-_PRE_NORM_ORDER = (
-    "resid_pre",
-    "attn_in",
-    "attn_out",
-    "resid_mid",
-    "mlp_in",
-    "mlp_out",
-    "resid_post",
-)
+_PRE_NORM_ORDER = tuple(k for k in KINDS if k != "embed")  # KINDS is in forward order
 _PARALLEL_ORDER = tuple(k for k in _PRE_NORM_ORDER if k != "resid_mid")
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATED = ("mlp.gate_proj", "mlp.up_proj")
