@@ -25,12 +25,13 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from . import results
+from .batches import as_batches, unpack_batch
 from .decompose import AttentionParams
 from .errors import UsageError
 from .hooks.base import Backend, get_backend
 from .hooks.sites import NamesFilter, Site, select_sites
 from .probes.bases import as_bases
-from .probes.driver import lm_loss, unpack_batch
+from .probes.driver import lm_loss
 from .subspace import TangentBasis, uniform_controls
 from .validation import check_int
 
@@ -122,7 +123,7 @@ def _setup(
     _check_part(part)
     check_int(n_null, "n_null", minimum=2)
     metric = _default_metric if metric is None else metric
-    return list(batches), metric, get_backend(model), as_bases(bases)
+    return as_batches(model, batches), metric, get_backend(model), as_bases(bases)
 
 
 def causal_effects(

@@ -29,13 +29,14 @@ from sklearn.preprocessing import StandardScaler
 from torch import Tensor
 
 from . import results
+from .batches import as_batches, unpack_batch
 from .errors import UsageError
 from .hooks.base import get_backend
 from .hooks.sites import Site
 from .probes.activation import Reservoir
 from .probes.base import Observation, Probe
 from .probes.bases import as_bases
-from .probes.driver import run, unpack_batch
+from .probes.driver import run
 from .subspace import TangentBasis
 from .validation import check_int
 
@@ -149,7 +150,7 @@ def layerwise_probe(
     {full, tangent, normal}, statistic ``accuracy`` (with ``ci_low``/``ci_high``) and
     ``chance_accuracy``. Memory: ``tokens_per_layer × d`` floats per layer.
     """
-    batches = list(batches)
+    batches = as_batches(model, batches)
     ids = [unpack_batch(b)[0] for b in batches]
     label_list = _label_tensors(labels, ids)
     n_folds = check_int(n_folds, "n_folds", minimum=2)

@@ -12,7 +12,7 @@ from .activation import ActivationProbe
 from .attention import AttentionProbe
 from .base import Observation, Probe
 from .bases import BasisSet
-from .driver import LOSSES, fit_bases, lm_loss, mlm_loss, run, unpack_batch
+from .driver import LOSSES, fit_bases, lm_loss, mlm_loss, run
 from .gradient import GradientProbe
 from .residual import ResidualProbe
 from .session import PROBES, ProbeSession, probe
@@ -35,5 +35,4 @@ __all__ = [
     "mlm_loss",
     "probe",
     "run",
-    "unpack_batch",
 ]

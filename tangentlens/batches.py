@@ -1,0 +1,148 @@
+"""What a model is fed: token-id batches, from tensors, dicts or plain text.
+
+Every routine that drives a model (`run`, `fit_bases`, `layerwise_probe`, the causal
+effects) takes ``batches`` through `as_batches`, so the same things work everywhere:
+
+- a ``(batch, pos)`` tensor of token ids, or one ``(pos,)`` sequence: one batch;
+- a dict with ``input_ids`` (and ``attention_mask``): one batch;
+- a string, or a list of strings: tokenised with the model's own tokenizer
+  (``model.tokenizer`` on a TransformerLens bridge or an nnsight ``LanguageModel``),
+  ``batch_size`` texts to a batch, right-padded with an attention mask;
+- any other iterable: its items, each one of the above.
+
+`text_batches` does the tokenising for a tokenizer the caller holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import UsageError
+from .validation import check_int
+
+__all__ = ["as_batches", "iter_batches", "text_batches", "unpack_batch"]
+
+
+def unpack_batch(batch: Any) -> tuple[Tensor, Tensor | None]:
+    """``(ids, attention_mask or None)`` of one batch, checked: ids are ``(batch, pos)``
+    integers and the mask has their shape."""
+    if isinstance(batch, Mapping):
+        if "input_ids" not in batch:
+            raise UsageError(f"a dict batch needs 'input_ids'; got keys {sorted(batch)}.")
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+    else:
+        ids, mask = batch, None
+    if isinstance(ids, str) or (isinstance(ids, list | tuple) and ids and isinstance(ids[0], str)):
+        raise UsageError(
+            "this batch is text: pass it through as_batches(model, texts) or "
+            "text_batches(tokenizer, texts) to tokenise it."
+        )
+    ids = torch.as_tensor(ids)
+    if ids.ndim != 2 or ids.dtype.is_floating_point:
+        raise UsageError(
+            f"a batch must be (batch, pos) integer token ids or a dict with input_ids and "
+            f"attention_mask; got {tuple(ids.shape)} {ids.dtype}."
+        )
+    if mask is not None:
+        mask = torch.as_tensor(mask)
+        if mask.shape != ids.shape:
+            raise UsageError(
+                f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(ids.shape)}."
+            )
+    return ids, mask
+
+
+def text_batches(
+    tokenizer: Any,
+    texts: str | Iterable[str],
+    *,
+    batch_size: int = 8,
+    max_length: int | None = None,
+) -> list[Tensor | dict[str, Tensor]]:
+    """Tokenise ``texts`` with a Hugging Face tokenizer, ``batch_size`` texts per batch.
+
+    A batch whose texts have one length is a ``(batch, pos)`` tensor; otherwise a dict
+    with right-padded ``input_ids`` and an ``attention_mask`` (the probes skip padding).
+    ``max_length`` truncates each text. The tokenizer is not modified (padding is ours, so
+    a tokenizer without a pad token works).
+    """
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise UsageError("texts must be a string or a non-empty list of strings.")
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
+    if max_length is not None:
+        max_length = check_int(max_length, "max_length", minimum=1)
+    encoded = [list(tokenizer(t)["input_ids"])[:max_length] for t in texts]
+    empty = [i for i, e in enumerate(encoded) if not e]
+    if empty:
+        raise UsageError(f"texts {empty} tokenise to nothing; drop them or add text.")
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    out: list[Tensor | dict[str, Tensor]] = []
+    for start in range(0, len(encoded), batch_size):
+        chunk = encoded[start : start + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, seq in enumerate(chunk):
+            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[row, : len(seq)] = 1
+        out.append(ids if bool(mask.all()) else {"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def _is_text(x: Any) -> bool:
+    return isinstance(x, str) or (
+        isinstance(x, list | tuple) and bool(x) and all(isinstance(t, str) for t in x)
+    )
+
+
+def as_batches(model: Any, batches: Any, *, batch_size: int = 8) -> list[Any]:
+    """``batches`` as a list of batches (see the module docstring for what is accepted)."""
+    return list(iter_batches(model, batches, batch_size=batch_size))
+
+
+def iter_batches(model: Any, batches: Any, *, batch_size: int = 8) -> Iterator[Any]:
+    """`as_batches`, lazily: a generator of batches is read one batch at a time."""
+    if isinstance(batches, Tensor):
+        if batches.ndim == 1:
+            yield batches[None]
+            return
+        if batches.ndim == 2:
+            yield batches
+            return
+        if batches.ndim == 3 and not batches.dtype.is_floating_point:
+            yield from batches  # a stack of (batch, pos) batches
+            return
+    if isinstance(batches, Mapping):
+        yield batches
+        return
+    if _is_text(batches):
+        yield from text_batches(_tokenizer(model), batches, batch_size=batch_size)
+        return
+    try:
+        items = iter(batches)
+    except TypeError:
+        raise UsageError(
+            f"batches must be token ids, a dict batch, text or an iterable of those; "
+            f"got {type(batches).__name__}."
+        ) from None
+    for item in items:
+        if _is_text(item):
+            yield from text_batches(_tokenizer(model), item, batch_size=batch_size)
+        else:
+            yield item
+
+
+def _tokenizer(model: Any) -> Any:
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise UsageError(
+            f"this {type(model).__name__} has no tokenizer to read text with; pass token ids, "
+            "or text_batches(tokenizer, texts)."
+        )
+    return tokenizer
