@@ -9,6 +9,8 @@
 - `HubUnavailableError`: a hub id was named but the hub cannot be reached.
 - `UnstableBasisWarning`: bases fitted on two halves of the sequences barely overlap:
   Q_T is mostly sampling noise at this many tokens.
+- `BasisSiteWarning`: a basis is used at a site other than the one it was fitted at
+  (its provenance says so), e.g. a ``resid_pre`` basis splitting the attention input.
 - `ExchangeabilityWarning`: normal controls are not exchangeable with Q_T at this
   k/d, so their p-values are anti-conservative. Filter it by class, never by text.
 
@@ -18,6 +20,7 @@ Anything else that escapes is a bug: the CLI says so and exits 1.
 from __future__ import annotations
 
 __all__ = [
+    "BasisSiteWarning",
     "CorruptFileError",
     "ExchangeabilityWarning",
     "HubUnavailableError",
@@ -54,3 +57,7 @@ class ExchangeabilityWarning(UserWarning):
 
 class UnstableBasisWarning(UserWarning):
     """Q_T fitted on two halves of the sequences overlaps little more than chance."""
+
+
+class BasisSiteWarning(UserWarning):
+    """A basis is used at a site other than the one its provenance says it was fitted at."""

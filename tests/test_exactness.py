@@ -37,7 +37,8 @@ def test_split_is_exact_and_every_probe_runs(family: str, backend: str) -> None:
     results = table(family, backend)
     assert set(PROBES) <= set(results["probe"])
     marked = results[results["statistic"] == "linearised_qk_norm"]
-    attention_sites = results.loc[results["probe"] == "attention", "hook"].nunique()
+    attention = results[results["probe"] == "attention"]
+    attention_sites = attention.loc[attention["site"] == "attn_in", "hook"].nunique()
     assert len(marked) == (attention_sites if family in QK_NORM else 0)
     assert (marked["value"] == 1).all() and marked["head"].isna().all()
 

@@ -112,6 +112,16 @@ class Backend(Protocol):
         MLP's input maps. Their weight gradients are ``Xᵀ·∂L/∂(output)``."""
         ...
 
+    def output_weight(self, layer: int) -> Tensor:
+        """W_O of ``layer`` ``(n_heads, d_head, d_model)``, detached: head h writes
+        z_h @ W_O[h] (the output projection's bias belongs to no head)."""
+        ...
+
+    def add_z_hook(self, layer: int, fn: Callable[[Tensor], None]) -> Handle:
+        """``fn(z)`` with z ``(batch, pos, n_heads, d_head)``, the heads' outputs entering
+        ``layer``'s attention output projection (TransformerLens ``hook_z``); observe only."""
+        ...
+
 
 _REGISTRY: dict[str, tuple[Callable[[Any], bool], Callable[[Any], Backend]]] = {}
 

@@ -28,6 +28,7 @@ __all__ = [
     "is_causal",
     "norm_from_hf",
     "norm_from_module",
+    "output_weight_from_hf",
     "params_from_hf",
     "unwrap",
 ]
@@ -294,6 +295,22 @@ def _params_from_hf(module: nn.Module, rotary_emb: nn.Module | None) -> Attentio
         f"unsupported attention module {name}: expected GPT2Attention, GPTNeoXAttention, "
         "ModernBertAttention, a q_proj/k_proj (Llama-style) module or BertAttention. Build "
         "AttentionParams by hand."
+    )
+
+
+def output_weight_from_hf(linear: nn.Module, n_heads: int) -> Tensor:
+    """W_O ``(n_heads, d_head, d_model)`` of an attention output projection (an
+    ``nn.Linear``, or GPT-2's ``Conv1D``, which stores its weight transposed): head h
+    writes z_h @ W_O[h]; the projection's bias is no head's (TransformerLens' b_O)."""
+    linear = unwrap(linear)
+    weight = linear.weight.detach()
+    if type(linear).__name__ == "Conv1D":  # x @ W, W (n*e, d)
+        return rearrange(weight, "(h e) d -> h e d", h=n_heads)
+    if isinstance(linear, nn.Linear):  # x @ Wᵀ, W (d, n*e)
+        return rearrange(weight, "d (h e) -> h e d", h=n_heads)
+    raise UsageError(
+        f"the attention output projection is a {type(linear).__name__}; expected nn.Linear "
+        "or Conv1D."
     )
 
 

@@ -45,6 +45,11 @@ site's activation on their input side): ``attn_in`` → GPT-2 ``attn.c_attn``, N
 value``, the others ``q/k/v_proj``; ``mlp_in`` → GPT-2 ``mlp.c_fc``, NeoX
 ``mlp.dense_h_to_4h``, GPT-J ``mlp.fc_in``, ModernBERT ``mlp.Wi``, BERT
 ``intermediate.dense``, gated MLPs ``mlp.gate_proj/up_proj``.
+
+The attention's output projection (`Layout.out_proj`), whose input is the heads' outputs
+z concatenated (TransformerLens ``hook_z``) and whose weight is W_O: GPT-2 ``attn.c_proj``,
+GPT-J ``attn.out_proj``, NeoX ``attention.dense``, ModernBERT ``attn.Wo``, BERT
+``attention.output.dense``, the others ``self_attn.o_proj``.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class Layout:
     block: Mapping[str, _Where]
     order: tuple[str, ...]  # block kinds in forward execution order
     linears: Mapping[str, tuple[str, ...]]  # site kind -> paths of the linear maps reading it
+    out_proj: str  # the attention's output projection: its input is the heads' z
 
 
 _PRE_NORM_ORDER = tuple(k for k in KINDS if k != "embed")  # KINDS is in forward order
@@ -98,6 +104,7 @@ _GPT2 = Layout(
     _block(("ln_1", "out"), ("attn", "out"), "ln_2", ("ln_2", "out"), ("mlp", "out")),
     _PRE_NORM_ORDER,
     {"attn_in": ("attn.c_attn",), "mlp_in": ("mlp.c_fc",)},
+    "attn.c_proj",
 )
 
 # GPT-J: one norm feeds attention and the MLP side by side (parallel block)
@@ -107,6 +114,7 @@ _GPTJ = Layout(
     _block(("ln_1", "out"), ("attn", "out"), "", ("mlp", "in"), ("mlp", "out")),
     _PARALLEL_ORDER,
     {"attn_in": tuple(p.replace("self_attn", "attn") for p in _QKV), "mlp_in": ("mlp.fc_in",)},
+    "attn.out_proj",
 )
 
 _NEOX_LINEARS = {"attn_in": ("attention.query_key_value",), "mlp_in": ("mlp.dense_h_to_4h",)}
@@ -122,7 +130,7 @@ def _neox(parallel: bool) -> Layout:
         ("mlp", "out"),
     )
     order = _PARALLEL_ORDER if parallel else _PRE_NORM_ORDER
-    return Layout("layers", ("embed_in", "out"), sites, order, _NEOX_LINEARS)
+    return Layout("layers", ("embed_in", "out"), sites, order, _NEOX_LINEARS, "attention.dense")
 
 
 _LLAMA = Layout(
@@ -137,6 +145,7 @@ _LLAMA = Layout(
     ),
     _PRE_NORM_ORDER,
     {"attn_in": _QKV, "mlp_in": _GATED},
+    "self_attn.o_proj",
 )
 
 _GEMMA = Layout(
@@ -151,6 +160,7 @@ _GEMMA = Layout(
     ),
     _PRE_NORM_ORDER,
     {"attn_in": _QKV, "mlp_in": _GATED},
+    "self_attn.o_proj",
 )
 
 _OLMO2 = Layout(
@@ -165,6 +175,7 @@ _OLMO2 = Layout(
     ),
     _PRE_NORM_ORDER,
     {"attn_in": _QKV, "mlp_in": _GATED},
+    "self_attn.o_proj",
 )
 
 _MODERNBERT = Layout(
@@ -173,6 +184,7 @@ _MODERNBERT = Layout(
     _block(("attn", "in"), ("attn", "out"), "mlp_norm", ("mlp_norm", "out"), ("mlp", "out")),
     _PRE_NORM_ORDER,
     {"attn_in": ("attn.Wqkv",), "mlp_in": ("mlp.Wi",)},
+    "attn.Wo",
 )
 
 _BERT = Layout(
@@ -192,6 +204,7 @@ _BERT = Layout(
         "attn_in": ("attention.self.query", "attention.self.key", "attention.self.value"),
         "mlp_in": ("intermediate.dense",),
     },
+    "attention.output.dense",
 )
 
 

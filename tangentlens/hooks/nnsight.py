@@ -37,7 +37,14 @@ from ..decompose import AttentionParams
 from ..errors import UsageError
 from ..stats import Moments
 from .base import ModuleHandle, TensorFn, embedding_leaf, register_backend
-from .huggingface import first_tensor, hf_attention_module, is_causal, params_from_hf, unwrap
+from .huggingface import (
+    first_tensor,
+    hf_attention_module,
+    is_causal,
+    output_weight_from_hf,
+    params_from_hf,
+    unwrap,
+)
 from .layouts import input_linears, layout, submodule
 from .sites import KINDS, Site
 
@@ -199,6 +206,26 @@ class NNsightBackend:
         (GPT-2's ``c_attn``, NeoX's ``query_key_value``, ModernBERT's ``Wqkv``) count once."""
         self.locate(site)  # validates the site
         return input_linears(self.blocks, self.layout, site.layer, site.kind)
+
+    def _out_proj(self, layer: int) -> tuple[nn.Module, int]:
+        """``layer``'s attention output projection (`Layout.out_proj`) and its head count."""
+        n_heads = self.attention_params(layer).n_heads  # validates the layer
+        return submodule(self.blocks[layer], self.layout.out_proj), n_heads
+
+    def output_weight(self, layer: int) -> Tensor:
+        """W_O ``(n_heads, d_head, d_model)`` from the output projection's weight."""
+        module, n_heads = self._out_proj(layer)
+        return output_weight_from_hf(module, n_heads)
+
+    def add_z_hook(self, layer: int, fn: Callable[[Tensor], None]) -> ModuleHandle:
+        """``fn(z)``: the output projection's input, ``(batch, pos, n_heads, d_head)``."""
+        module, n_heads = self._out_proj(layer)
+        label = f"{type(module).__name__} (layer {layer} output projection)"
+
+        def pre_hook(mod: nn.Module, args: tuple) -> None:
+            fn(first_tensor(args, label).unflatten(-1, (n_heads, -1)))
+
+        return ModuleHandle(module.register_forward_pre_hook(pre_hook))
 
 
 register_backend("nnsight", is_nnsight_model, NNsightBackend)

@@ -244,6 +244,26 @@ class TransformerLensBackend:
             )
         return out
 
+    def output_weight(self, layer: int) -> Tensor:
+        """The bridge's (or HookedTransformer's) ``W_O`` ``(n_heads, d_head, d_model)``."""
+        return _tl_attention(self.model, layer).W_O.detach()
+
+    def add_z_hook(self, layer: int, fn: Callable[[Tensor], None]) -> _TLHandle:
+        """``fn(z)`` at ``blocks.{layer}.attn.hook_z`` (on bridges, ``attn.o.hook_in``), as
+        ``(batch, pos, n_heads, d_head)``."""
+        attn = _tl_attention(self.model, layer)
+        name = f"blocks.{layer}.attn.hook_z"
+        if name not in self.model.hook_dict:
+            raise UsageError(f"{type(self.model).__name__} has no {name}; head writes need it.")
+        n_heads = int(attn.W_O.shape[0])
+
+        def hook(z: Tensor, *, hook: Any) -> None:
+            fn(z if z.ndim == 4 else z.unflatten(-1, (n_heads, -1)))
+
+        hook.__name__ = f"tangentlens:{name}"
+        point = self.model.hook_dict[name]
+        return _TLHandle(point, "fwd", point.add_hook(hook, dir="fwd", level=self._level))
+
 
 def _tl_attention(model: Any, layer: int) -> Any:
     blocks = getattr(model, "blocks", None)

@@ -8,6 +8,11 @@ The maths lives in `tangentlens.decompose`; the backends read each layer's
 - :class:`AttentionProbe`: one accumulator per attention-input site, fed by the session;
 - :func:`score_terms`: the five terms of one layer in one call on a TransformerLens model.
 
+The output side (``writes``): each head's write z_h·W_O^h into the residual stream, as
+its energy share in the basis of the stream the attention writes into (the rule of
+`write_basis_site`: ``resid_mid`` of the layer, else ``resid_post``, else the next
+``resid_pre``). From Σ z_hᵀz_h per head (`z_gram`), so no write is materialised.
+
 Never read ``hook_attn_scores`` to decompose: on HF bridges it is post-mask, on native
 and BERT bridges it is the post-softmax pattern.
 """
@@ -15,6 +20,7 @@ and BERT bridges it is the post-softmax pattern.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,17 +28,67 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..decompose import TERMS, AttentionParams, decompose_scores, keep_mask
-from ..errors import CorruptFileError, UsageError
+from ..decompose import (
+    TERMS,
+    AttentionParams,
+    decompose_scores,
+    head_write_energies,
+    keep_mask,
+    random_share_std,
+    z_gram,
+)
+from ..errors import BasisSiteWarning, CorruptFileError, UsageError
+from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
 from ..hooks.transformer_lens import norm_from_bridge, params_from_bridge
-from ..subspace import TangentBasis, normal_controls
+from ..subspace import TangentBasis, normal_controls, shares
 from ..validation import check_int
-from .base import Observation, Probe, row
+from .base import Observation, Probe, Sum, row
 
-__all__ = ["STATISTICS", "AttentionAccumulator", "AttentionProbe", "score_terms"]
+__all__ = [
+    "STATISTICS",
+    "WRITE_STATISTICS",
+    "AttentionAccumulator",
+    "AttentionProbe",
+    "score_terms",
+    "warn_basis_sites",
+]
 
 STATISTICS = (*(f"score_share_{t}" for t in TERMS), "pattern_kl_TT")
+WRITE_STATISTICS = (
+    "write_share",
+    "write_chance_share",
+    "write_share_ratio",
+    "write_share_null_std",
+    "write_share_z",
+)
+
+
+def warn_basis_sites(used: Mapping[Site, TangentBasis], *, stacklevel: int = 3) -> None:
+    """One `BasisSiteWarning` naming every site whose basis says (``provenance["site"]``,
+    as `fit_bases` records it) that it was fitted at another site; bases without a
+    recorded site are trusted."""
+    wrong = []
+    for site, basis in used.items():
+        fitted = basis.provenance.get("site")
+        try:
+            fitted_site = None if fitted is None else Site.parse(fitted).without_head()
+        except (UsageError, TypeError):
+            fitted_site = None
+        if fitted_site is not None and fitted_site != site.without_head():
+            wrong.append(f"{site.without_head()} (fitted at {fitted_site})")
+    if wrong:
+        warnings.warn(
+            BasisSiteWarning(
+                "a basis splits the attention at a site other than where it was fitted: "
+                f"{'; '.join(wrong)}. The split is exact for any basis, but Q_T then is "
+                "not the tangent space of that input. Use the basis fitted at the site "
+                "(fit_bases(model, batches, rank=k) fits ln1.hook_out, the attention "
+                "input, and hook_resid_pre), and give score_terms the site its basis was "
+                "fitted at: site='attn_in' or site='resid_pre'."
+            ),
+            stacklevel=stacklevel,
+        )
 
 
 def score_terms(
@@ -51,10 +107,12 @@ def score_terms(
     (:func:`attention_input_hook`: ``ln1.hook_out`` on pre-norm models). ``site=
     "resid_pre"``: ``basis`` is fitted at ``hook_resid_pre`` and ln1 is treated as
     linear with its scale frozen at the value on the full input, so the norm's bias
-    joins the ``bias`` term (pre-norm models only).
+    joins the ``bias`` term (pre-norm models only). A basis whose provenance names
+    another site gets a `BasisSiteWarning`.
     """
     if site not in ("attn_in", "resid_pre"):
         raise UsageError(f"site must be 'attn_in' or 'resid_pre'; got {site!r}.")
+    warn_basis_sites({Site(layer, site): basis})
     params = params_from_bridge(model, layer)
     norm = norm_from_bridge(model, layer) if site == "resid_pre" else None
     hook_name = f"blocks.{layer}.{'hook_resid_pre' if norm is not None else 'attn.hook_in'}"
@@ -240,18 +298,31 @@ class AttentionAccumulator:
 
 
 class AttentionProbe(Probe):
-    """Per-head score statistics at attention-input sites (``attn_in``).
+    """Per-head score statistics at attention-input sites (``attn_in``), and optionally
+    the share of each head's write in Q_T.
 
     ``layers`` maps each site to ``(basis, params)``: the tangent basis fitted at that
     attention input and the layer's `AttentionParams` (from the backend). Where the split
     is a linearisation (q/k norms, their scale frozen per token and head: Qwen3, Gemma 3,
     OLMo 2), the site also gets a row ``statistic="linearised_qk_norm"``, ``value=1``
-    (head <NA>), so a table says which numbers rest on it.
+    (head <NA>), so a table says which numbers rest on it. Each head also gets a row
+    ``kv_group`` = head // (n_heads // n_kv_heads): the key/value head it shares (GQA).
 
     The null: the same statistics with ``n_null`` random frames of matched rank in the
     complement of Q_T in place of Q_T (`normal_controls`), as rows ``{statistic}_null``
     (mean over frames), ``{statistic}_null_std`` and ``{statistic}_z`` per head; each frame
     costs one more split of the scores (``n_null=0`` turns the null off).
+
+    ``writes`` maps a layer (one with an ``attn_in`` site here) to ``(basis_site, basis,
+    W_O)``: the residual site whose basis measures that attention's writes and W_O
+    ``(n_heads, d_head, d_model)``. Rows at ``attn_out`` per head: ``write_share`` =
+    Σ‖z_h W_O^h Q_T‖²/Σ‖z_h W_O^h‖² over tokens, ``write_chance_share`` = k/d (the exact
+    mean over uniformly random k-frames), ``write_share_ratio``, ``write_share_null_std``
+    (the closed-form spread over those frames, `random_share_std`) and ``write_share_z``;
+    and, head <NA>, ``write_basis_{kind}`` with value = the basis site's layer (e.g.
+    ``write_basis_resid_mid`` = 3: measured in ``blocks.3.hook_resid_mid``). The write is
+    z·W_O before any norm of the attention output (Gemma 3 and OLMo 2 normalise it).
+    ``n_null=0`` drops the write's null rows too.
     """
 
     name = "attention"
@@ -262,6 +333,7 @@ class AttentionProbe(Probe):
         *,
         n_null: int = 4,
         seed: int = 0,
+        writes: Mapping[int, tuple[Site, TangentBasis, Tensor]] | None = None,
     ) -> None:
         super().__init__()
         self.layers = dict(layers)
@@ -282,13 +354,59 @@ class AttentionProbe(Probe):
                 for j in range(self.n_null):
                     key = f"{site.hook_name}/null{j}"
                     self.add_state(key, lambda n=params.n_heads: AttentionAccumulator(n))
+        warn_basis_sites({s: b for s, (b, _) in self.layers.items()}, stacklevel=4)
+        self.writes = {layer: (s, b, w.detach()) for layer, (s, b, w) in (writes or {}).items()}
+        by_layer = {s.layer: p for s, (_, p) in self.layers.items()}
+        for layer, (_, basis, w_o) in self.writes.items():
+            params = by_layer.get(layer)
+            if params is None:
+                raise UsageError(
+                    f"writes has layer {layer}, which has no attn_in site here: head writes "
+                    "are read with their layer's attention input (for its padding mask)."
+                )
+            if (
+                tuple(w_o.shape[:1]) != (params.n_heads,)
+                or w_o.ndim != 3
+                or basis.d != w_o.shape[2]
+            ):
+                raise UsageError(
+                    f"W_O of layer {layer} is {tuple(w_o.shape)}: it must be (n_heads="
+                    f"{params.n_heads}, d_head, d_model={basis.d}) to match its basis."
+                )
+            shape = (params.n_heads, w_o.shape[1], w_o.shape[1])
+            self.add_state(self._write_key(layer), lambda shape=shape: Sum(shape))
+        self._masks: dict[int, Tensor | None] = {}
+
+    @staticmethod
+    def _write_key(layer: int) -> str:
+        return f"{Site(layer, 'attn_out').hook_name}/z"
 
     @property
     def forward_sites(self) -> list[Site]:
         return list(self.layers)
 
+    def attach(self, backend: Backend) -> list[Handle]:
+        """A hook on each write layer's z (`Backend.add_z_hook`)."""
+        handles: list[Handle] = []
+        try:
+            for layer in self.writes:
+                handles.append(backend.add_z_hook(layer, self._z_hook(layer)))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        return handles
+
+    def _z_hook(self, layer: int) -> Any:
+        def hook(z: Tensor) -> None:
+            with torch.no_grad():
+                self.state(self._write_key(layer)).add(z_gram(z, self._masks.get(layer)))
+
+        return hook
+
     def update(self, obs: Observation) -> None:
         basis, params = self.layers[obs.site]
+        self._masks[obs.site.layer] = obs.mask  # this layer's z comes next in the pass
         keys = [(obs.site.hook_name, basis)] + [
             (f"{obs.site.hook_name}/null{j}", b)
             for j, b in enumerate(self.null_bases.get(obs.site, []))
@@ -318,15 +436,49 @@ class AttentionProbe(Probe):
                         f"{stat}_null_std": std,
                         f"{stat}_z": _z(per_head, mean, std),
                     }
-                for name, heads in per_stat.items():
-                    out += [
-                        row(self.name, Site(site.layer, site.kind, h), name, float(v))
-                        for h, v in enumerate(heads.tolist())
-                    ]
-            linearised = self.layers[site][1].linearised
-            if linearised is not None:
-                out.append(row(self.name, site, f"linearised_{linearised}", 1.0))
+                out += _head_rows(self.name, site, per_stat)
+            params = self.layers[site][1]
+            group = params.n_heads // params.n_kv_heads
+            out += _head_rows(self.name, site, {"kv_group": torch.arange(params.n_heads) // group})
+            if params.linearised is not None:
+                out.append(row(self.name, site, f"linearised_{params.linearised}", 1.0))
+            if site.layer in self.writes:
+                out += self._write_rows(site.layer)
         return out
+
+    def _write_rows(self, layer: int) -> list[dict[str, Any]]:
+        basis_site, basis, w_o = self.writes[layer]
+        gram = self.state(self._write_key(layer)).value
+        if not bool(gram.any()):
+            return []
+        e = head_write_energies(gram, w_o, basis.basis_)
+        k, d = basis.k, basis.d
+        per_head = [
+            shares(t, n, k, d)
+            for t, n in zip(e["tangent"].tolist(), e["total"].tolist(), strict=True)
+        ]
+        share = torch.tensor([s["tangent_share"] for s in per_head], dtype=torch.float64)
+        chance = torch.full_like(share, k / d)
+        stats = {
+            "write_share": share,
+            "write_chance_share": chance,
+            "write_share_ratio": torch.tensor([s["share_ratio"] for s in per_head]),
+        }
+        if self.n_null and k < d:  # n_null=0 turns every null off, the closed form too
+            std = random_share_std(e["total"], e["square"], k, d)
+            stats |= {"write_share_null_std": std, "write_share_z": _z(share, chance, std)}
+        site = Site(layer, "attn_out")
+        flag = row(self.name, site, f"write_basis_{basis_site.kind}", float(basis_site.layer))
+        return [*_head_rows(self.name, site, stats), flag]
+
+
+def _head_rows(probe: str, site: Site, per_stat: Mapping[str, Tensor]) -> list[dict[str, Any]]:
+    """One row per head and statistic, from ``(n_heads,)`` tensors."""
+    return [
+        row(probe, Site(site.layer, site.kind, h), name, float(v))
+        for name, heads in per_stat.items()
+        for h, v in enumerate(heads.tolist())
+    ]
 
 
 def _z(value: Tensor, mean: Tensor, std: Tensor) -> Tensor:

@@ -19,6 +19,7 @@ from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 from matplotlib.transforms import blended_transform_factory
 
+from ..heads import head_arrays
 from .table import (
     ALPHA,
     CENTRES,
@@ -167,9 +168,7 @@ def _heatmap(t: pd.DataFrame) -> tuple[Figure, str] | None:
     panels = [(label, g) for label, g in _groups(tt)]
     if len(panels) > 2:
         panels = [panels[0], panels[-1]]
-    grids = [
-        g.groupby(["layer", "head"])["value"].mean().unstack("head").sort_index() for _, g in panels
-    ]
+    grids = [head_arrays(g, "score_share_TT", mean=True).frame() for _, g in panels]
     n_layers, n_heads = grids[0].shape
     width = min(6.5, 2.2 + 0.45 * n_heads)
     fig = Figure(
