@@ -1,24 +1,41 @@
-"""Depth profile: where along the layers the tangent bias appears and grows.
+"""Depth profile: where along the layers the tangent bias appears, and where it amplifies.
 
-From a probe results table, per layer at one residual site (default ``resid_pre``):
+From a probe results table, per layer present at one residual site (default
+``resid_pre``; any subset of layers: "previous" always means the previous layer *present*):
 
 - ``tangent_share``, ``chance_share``, ``share_ratio`` of the residual stream;
 - ``energy_ratio`` and ``p_value`` of the gradient energy test (when measured);
-- ``attn_write_ratio`` and ``mlp_write_ratio``: the share ratio of each block's write;
-- ``share_amplification`` = share_ratio[l] / share_ratio[l − 1] and
-  ``energy_amplification`` = energy_ratio[l] / energy_ratio[l − 1] (NaN at the first
-  layer): values above 1 mean the bias grows through layer l − 1's block.
+- ``attn_write_ratio`` / ``mlp_write_ratio`` and ``attn_write_share`` / ``mlp_write_share``:
+  block l's writes, measured in the basis of the stream they write into;
+- ``share_amplification`` = share_ratio[l] / share_ratio[p] and ``energy_amplification``
+  = energy_ratio[l] / energy_ratio[p], p the previous layer present (NaN at the first):
+  above 1, the bias grew between p and l.
 
-**Onset.** A layer is *biased* when its ratio (the gradient ``energy_ratio`` when
-measured, else the residual ``share_ratio``) is at least ``threshold`` (default 1.5:
-50 % more energy in Q_T than chance) and, when a ``p_value`` exists, ``p_value <=
-alpha``. The onset layer is the first layer from which every later layer is biased
-(the bias *sets in* and stays); None when the last layer is not biased.
+**Amplification with intervals** (`DepthProfile.amplification`, one row per number): the
+two amplifications, and the share ratio of every block write that lands in the stream
+between p and l (``attn_write``, ``mlp_write``: what each write brings, its ``block``),
+each with a 95 % interval and its null (1: no change; for a write, a share at chance).
+An amplification's interval is the probes' *joint* jackknife over groups of sequences
+(``interval="jackknife"``: each group is left out of both layers at once) when the table
+holds it for this pair of layers (its value is the quotient of the two layers' ratios,
+to 1e-4: the gradient's per-layer ratio comes from its `Moments`, the joint one from sums).
+Otherwise (a study table, a table sliced after the run) it is the box
+[low_l / high_p, high_l / low_p] of the two layers' own intervals (``"bounds"``): it
+covers whenever both do, so at least 90 % of the time whatever the dependence between
+layers (Bonferroni), conservatively. Without per-layer intervals it is NaN (``""``).
+
+**Onsets.** `amplification_onset`: the first layer whose amplification interval lies
+wholly above 1 (the bias *grows* there; later layers may hold it, so nothing is asked of
+them). `onset_layer`: a layer is *biased* when its ratio (the gradient ``energy_ratio``
+when measured, else ``share_ratio``) is at least ``threshold`` (default 1.5) and, when a
+``p_value`` exists, ``p_value <= alpha``; the onset is the first layer from which every
+later layer is biased (the bias *sets in* and stays); None when the last layer is not.
 """
 
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from typing import Any
 
 from .errors import UsageError
@@ -33,12 +50,36 @@ _COLUMNS = (
     "p_value",
     "attn_write_ratio",
     "mlp_write_ratio",
+    "attn_write_share",
+    "mlp_write_share",
+)
+# quantity -> (per-layer ratio column, probe, the probes' amplification statistic)
+_AMPLIFIED = {
+    "share": ("share_ratio", "residual", "share_amplification"),
+    "energy": ("energy_ratio", "gradient", "energy_amplification"),
+}
+_WRITES = {"attn_write": "attn_out", "mlp_write": "mlp_out"}
+# where in block b (at 3b + this) each site sits (resid_post of b is resid_pre of b + 1) and
+# each write lands: a write counts for the change p -> l when it lands between the two sites
+_POSITION = {"resid_pre": 0.0, "attn_out": 1.0, "resid_mid": 1.5, "mlp_out": 2.0, "resid_post": 3.0}
+_AMPLIFICATION_COLUMNS = (
+    "layer",
+    "from_layer",
+    "quantity",
+    "block",
+    "value",
+    "ci_low",
+    "ci_high",
+    "null",
+    "interval",
+    "above_null",
 )
 
 
 class DepthProfile:
-    """Per-layer tangent bias from ``session.results()`` (or any table with the
-    columns ``probe, site, layer, statistic, value``)."""
+    """Per-layer tangent bias and its amplification from ``session.results()`` (or any
+    table with the columns ``probe, site, layer, statistic, value``; ``ci_low`` /
+    ``ci_high`` where there are intervals)."""
 
     def __init__(
         self,
@@ -60,6 +101,7 @@ class DepthProfile:
         )
 
         def pick(kind: str, stat: str, probe_name: str) -> Any:
+            """value, ci_low, ci_high (NaN where absent) by layer, layers sorted."""
             rows = results[
                 (results["site"] == kind)
                 & (results["statistic"] == stat)
@@ -70,31 +112,113 @@ class DepthProfile:
                     f"results hold several {stat!r} rows per layer at {kind!r} (several "
                     "checkpoints or runs?); filter them to one first."
                 )
-            return rows.set_index("layer")["value"]
+            out = pd.DataFrame({c: rows.get(c, math.nan) for c in ("value", "ci_low", "ci_high")})
+            out.index = pd.Index(rows["layer"].astype(int), name="layer")
+            return out.astype(float).sort_index()
 
-        table = pd.DataFrame(
-            {
-                "tangent_share": pick(site, "tangent_share", "residual"),
-                "chance_share": pick(site, "chance_share", "residual"),
-                "share_ratio": pick(site, "share_ratio", "residual"),
-                "energy_ratio": pick(site, "energy_ratio", "gradient"),
-                "p_value": pick(site, "p_value", "gradient"),
-                "attn_write_ratio": pick("attn_out", "share_ratio", "residual"),
-                "mlp_write_ratio": pick("mlp_out", "share_ratio", "residual"),
-            },
-            columns=list(_COLUMNS),
-        ).sort_index()
-        if table[["share_ratio", "energy_ratio"]].isna().all().all():
+        self._pick = pick
+        stream = {stat: pick(site, stat, "residual") for stat in _COLUMNS[:3]}
+        stream |= {stat: pick(site, stat, "gradient") for stat in ("energy_ratio", "p_value")}
+        if stream["share_ratio"]["value"].dropna().empty and (
+            stream["energy_ratio"]["value"].dropna().empty
+        ):
             raise UsageError(
                 f"no residual share_ratio or gradient energy_ratio at site {site!r} in results; "
-                f"sites present: {sorted(results['site'].unique())}."
+                f"sites present: {sorted(results['site'].dropna().unique())}."
             )
-        table.index.name = "layer"
-        table["share_amplification"] = table["share_ratio"] / table["share_ratio"].shift(1)
-        table["energy_amplification"] = table["energy_ratio"] / table["energy_ratio"].shift(1)
+        if site not in ("resid_pre", "resid_mid", "resid_post"):
+            raise UsageError(f"site must be resid_pre, resid_mid or resid_post; got {site!r}.")
+        # block writes at every block measured (they may lie between the layers present)
+        self._writes = {
+            name: {stat: pick(kind, stat, "residual") for stat in ("share_ratio", "tangent_share")}
+            for name, kind in _WRITES.items()
+        }
+        layers = sorted(
+            set(stream["share_ratio"]["value"].dropna().index)
+            | set(stream["energy_ratio"]["value"].dropna().index)
+        )
+        table = pd.DataFrame(index=pd.Index(layers, name="layer"))
+        for stat, frame in stream.items():
+            table[stat] = frame["value"].reindex(layers)
+        for name in _WRITES:
+            table[f"{name}_ratio"] = self._writes[name]["share_ratio"]["value"].reindex(layers)
+            table[f"{name}_share"] = self._writes[name]["tangent_share"]["value"].reindex(layers)
+        table = table[list(_COLUMNS)]
+        self._stream = stream
+        self._amplification = self._amplify(layers)
+        amp = self._amplification.set_index("layer")
+        for quantity, (_, _, stat) in _AMPLIFIED.items():
+            table[stat] = amp[amp["quantity"] == quantity]["value"].reindex(layers)
         table["biased"] = [self._biased(row) for _, row in table.iterrows()]
         self._table = table
 
+    # ------------------------------------------------------------------ amplification
+    def _amplify(self, layers: list[int]) -> Any:
+        import pandas as pd
+
+        rows: list[dict[str, Any]] = []
+        for quantity, (column, probe, stat) in _AMPLIFIED.items():
+            per_layer = self._stream[column].dropna(subset=["value"])
+            joint = self._pick(self.site, stat, probe)
+            for p, layer in pairwise(per_layer.index.tolist()):
+                now, before = per_layer.loc[layer], per_layer.loc[p]
+                value = now["value"] / before["value"] if before["value"] else math.nan
+                if layer in joint.index and math.isclose(
+                    joint.loc[layer, "value"], value, rel_tol=1e-4
+                ):
+                    low, high = joint.loc[layer, ["ci_low", "ci_high"]]
+                    kind = "jackknife" if math.isfinite(low) else ""
+                elif before["ci_low"] > 0 and math.isfinite(now["ci_low"]):
+                    low, high = now["ci_low"] / before["ci_high"], now["ci_high"] / before["ci_low"]
+                    kind = "bounds"
+                else:
+                    low, high, kind = math.nan, math.nan, ""
+                rows.append(_amp_row(layer, p, quantity, None, value, low, high, kind))
+        start = _POSITION[self.site]
+        for p, layer in pairwise(layers):
+            for name, kind in _WRITES.items():
+                writes = self._writes[name]["share_ratio"].dropna(subset=["value"])
+                for block, w in writes.iterrows():
+                    if 3 * p + start < 3 * block + _POSITION[kind] < 3 * layer + start:
+                        has_ci = math.isfinite(w["ci_low"])
+                        rows.append(
+                            _amp_row(
+                                layer, p, name, int(block), w["value"], w["ci_low"],
+                                w["ci_high"], "jackknife" if has_ci else "",
+                            )
+                        )  # fmt: skip
+        frame = pd.DataFrame(rows, columns=list(_AMPLIFICATION_COLUMNS))
+        for col in ("layer", "from_layer", "block"):
+            frame[col] = frame[col].astype("Int64")
+        order = {q: i for i, q in enumerate([*_AMPLIFIED, *_WRITES])}
+        frame = frame.sort_values(
+            ["layer", "quantity", "block"],
+            key=lambda c: c.map(order) if c.name == "quantity" else c,
+        )
+        return frame.reset_index(drop=True)
+
+    def amplification(self) -> Any:
+        """One row per number, a copy: ``layer``, ``from_layer`` (previous layer present),
+        ``quantity`` (``share``, ``energy``, ``attn_write``, ``mlp_write``), ``block`` (a
+        write's block), ``value``, ``ci_low``, ``ci_high`` (95 %), ``null`` (1),
+        ``interval`` (``jackknife``, ``bounds`` or ``""``: see the module docstring) and
+        ``above_null`` (ci_low > null)."""
+        return self._amplification.copy()
+
+    def amplification_onset(self, quantity: str | None = None) -> int | None:
+        """The first layer whose ``quantity`` amplification interval lies wholly above 1;
+        None when no layer's does. Default: ``energy`` where its amplification has
+        intervals, else ``share``."""
+        amp = self._amplification
+        if quantity is None:
+            energy = amp[(amp["quantity"] == "energy") & (amp["interval"] != "")]
+            quantity = "energy" if len(energy) else "share"
+        if quantity not in _AMPLIFIED:
+            raise UsageError(f"quantity must be one of {sorted(_AMPLIFIED)}; got {quantity!r}.")
+        above = amp[(amp["quantity"] == quantity) & amp["above_null"]]
+        return int(above["layer"].iloc[0]) if len(above) else None
+
+    # ------------------------------------------------------------------ bias onset
     def _biased(self, row: Any) -> bool:
         ratio = row["energy_ratio"] if not math.isnan(row["energy_ratio"]) else row["share_ratio"]
         if math.isnan(ratio) or ratio < self.threshold:
@@ -121,38 +245,118 @@ class DepthProfile:
         """The per-layer table (index ``layer``), a copy."""
         return self._table.copy()
 
-    def plot(self, ax: Any = None) -> Any:
-        """Share ratio (residual and writes) and gradient energy ratio against depth;
-        a dotted line at the controls' level (1), a vertical line at the onset. Returns the
-        figure."""
+    # ------------------------------------------------------------------ plot
+    def plot(self, axes: Any = None) -> Any:
+        """Three panels against depth: tangent shares (stream and writes, chance dotted);
+        ratios to chance / controls on a log axis; the amplifications with their
+        intervals on a log axis (1 dotted, the amplification onset as a red line).
+        ``axes``: three matplotlib Axes to draw on (default: a new figure). Each series
+        is one line through the layers where it was measured. Returns the figure."""
+        import numpy as np
         from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+        from matplotlib.ticker import MaxNLocator
 
-        if ax is None:
-            fig = Figure(figsize=(6, 3.5))
-            ax = fig.subplots()
-        else:
-            fig = ax.figure
-        t, x = self._table, self.layers
-        series = [
-            ("share_ratio", f"{self.site} share / chance", "o-"),
-            ("attn_write_ratio", "attn write share / chance", "^--"),
-            ("mlp_write_ratio", "mlp write share / chance", "v--"),
-            ("energy_ratio", "gradient energy ratio", "s-"),
-        ]
-        for col, label, style in series:
-            if t[col].notna().any():
-                ax.plot(x, t[col].to_numpy(dtype=float), style, label=label)
-        ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
-        if self.onset_layer is not None:
-            ax.axvline(self.onset_layer, color="red", linewidth=1, label="onset")
-        ax.set_xlabel("layer")
-        ax.set_ylabel("ratio to chance")
-        ax.set_xticks(x)
-        ax.legend(fontsize=7)
+        if axes is None:
+            fig = Figure(figsize=(12, 3.6))
+            axes = fig.subplots(1, 3)
+        if len(axes) != 3:
+            raise UsageError(f"plot needs three Axes (shares, ratios, amplification); got {axes}.")
+        fig = axes[0].figure
+        ax_s, ax_r, ax_a = axes
+        t = self._table
+
+        def line(ax: Any, series: Any, style: str, label: str) -> Any:
+            series = series.dropna()
+            if len(series):
+                return ax.plot(
+                    series.index.to_numpy(int), series.to_numpy(float), style, label=label
+                )[0]
+            return None
+
+        writes = {n: {s: f["value"] for s, f in w.items()} for n, w in self._writes.items()}
+        line(ax_s, t["tangent_share"], "o-", f"{self.site}")
+        line(ax_s, writes["attn_write"]["tangent_share"], "^--", "attn write")
+        line(ax_s, writes["mlp_write"]["tangent_share"], "v--", "mlp write")
+        chance = t["chance_share"].dropna()
+        if len(chance):
+            ax_s.axhline(float(chance.mean()), color="gray", ls=":", lw=1, label="chance (k/d)")
+        ax_s.set(title="energy share in Q_T", ylabel="tangent share", ylim=(0, 1))
+        line(ax_r, t["share_ratio"], "o-", f"{self.site} share / chance")
+        line(ax_r, writes["attn_write"]["share_ratio"], "^--", "attn write share / chance")
+        line(ax_r, writes["mlp_write"]["share_ratio"], "v--", "mlp write share / chance")
+        line(ax_r, t["energy_ratio"], "s-", "gradient energy ratio")
+        ax_r.set(title="ratios (log axis)", ylabel="ratio to chance / controls")
+        amp = self._amplification[lambda a: a["quantity"].isin(list(_AMPLIFIED))]
+        # an interval reaching 0 or below runs to the panel's floor (unbounded on a log axis)
+        floor = np.nanmin([amp["value"].min(), amp["ci_low"].where(amp["ci_low"] > 0).min()])
+        floor = floor / 1.5 if np.isfinite(floor) and floor > 0 else None
+        for quantity, style, shift in (("share", "o-", -0.05), ("energy", "s-", 0.05)):
+            a = amp[amp["quantity"] == quantity].set_index("layer")
+            drawn = line(ax_a, a["value"], style, f"{quantity} amplification")
+            bars = a.dropna(subset=["ci_low", "ci_high"])
+            if drawn is not None and len(bars) and floor is not None:
+                x = bars.index.to_numpy(float) + shift  # side by side, not one over the other
+                low = bars["ci_low"].clip(lower=floor)
+                ax_a.vlines(x, low, bars["ci_high"], color=drawn.get_color(), lw=1.5)
+        if floor is not None:
+            ax_a.set_ylim(bottom=floor)
+        ax_a.set(title="amplification (log axis)", ylabel="ratio to the previous layer")
+        onset = self.amplification_onset()
+        if onset is not None:
+            ax_a.axvline(onset, color="red", lw=1, label="amplification onset")
+        for ax in (ax_r, ax_a):
+            _log_axis(ax)
+            ax.axhline(1.0, color="gray", ls=":", lw=1)
+        for ax in axes:
+            ax.set_xlabel("layer")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
         fig.tight_layout()
         return fig
 
     def __repr__(self) -> str:
         return (
-            f"DepthProfile(site={self.site!r}, layers={len(self.layers)}, onset={self.onset_layer})"
+            f"DepthProfile(site={self.site!r}, layers={len(self.layers)}, "
+            f"onset={self.onset_layer}, amplification_onset={self.amplification_onset()})"
         )
+
+
+def _log_axis(ax: Any) -> None:
+    """A log y axis labelled 0.8, 1, 2, 30 (not 8×10⁻¹): every minor tick within a decade,
+    else only those at 2 and 5, so labels never collide."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_yscale("log")
+
+    def minor(value: float, _: Any) -> str:
+        low, high = ax.get_ylim()
+        lead = round(value / 10 ** math.floor(math.log10(value) + 1e-9))
+        return f"{value:g}" if high / low < 10 or lead in (2, 5) else ""
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+
+
+def _amp_row(
+    layer: int,
+    p: int,
+    quantity: str,
+    block: int | None,
+    value: float,
+    low: float,
+    high: float,
+    interval: str,
+) -> dict[str, Any]:
+    return {
+        "layer": layer,
+        "from_layer": p,
+        "quantity": quantity,
+        "block": block,
+        "value": float(value),
+        "ci_low": float(low),
+        "ci_high": float(high),
+        "null": 1.0,
+        "interval": interval,
+        "above_null": bool(low > 1.0),
+    }

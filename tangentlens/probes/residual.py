@@ -14,13 +14,25 @@ writes straight into ``resid_post``), then the next layer's ``resid_pre`` (the s
 tensor as ``resid_post``). A write with a large ``share_ratio`` pushes the stream
 further into Q_T: that is where the bias amplifies.
 
-State is float64 sums and a count per site, so batch splits and merges give the same
-numbers as one pass; no activation is kept.
+**Intervals.** The state is float64 sums (Σ‖x‖², Σ‖x Q_T‖², n) per site and per group of
+whole sequences (forward pass i goes to group i mod ``n_groups``), so batch splits and
+merges give the same numbers as one pass and no activation is kept. ``tangent_share``
+and ``share_ratio`` get a delete-a-group jackknife interval (`tangentlens.uncertainty`).
+
+**Amplification.** ``share_amplification`` at a residual site of layer l is
+share_ratio[l] / share_ratio[p], p the previous layer this probe measures at the same
+site kind (l − 1 when every layer is probed; 3 for 6 with ``layers=[0, 3, 6]``); no row
+at the first. Its interval is a *joint* jackknife: each left-out group is left out of
+both layers at once, so the correlation between layers (the same tokens) is in it.
+`amplification_rows` is the one implementation; the gradient probe uses it for
+``energy_amplification``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -29,9 +41,11 @@ from torch import Tensor
 from ..errors import UsageError
 from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site
 from ..subspace import TangentBasis, shares
-from .base import Observation, Probe, Sum, row
+from ..uncertainty import jackknife_interval, share_intervals
+from ..validation import check_int
+from .base import Observation, Probe, Sum, ci_columns, row
 
-__all__ = ["ResidualProbe", "energy_sums", "write_basis_site"]
+__all__ = ["ResidualProbe", "amplification_rows", "energy_sums", "write_basis_site"]
 
 
 @torch.no_grad()
@@ -63,13 +77,54 @@ def write_basis_site(write: Site, bases: Mapping[Site, object], n_layers: int) -
     return next((c for c in candidates if c in bases), None)
 
 
+def amplification_rows(
+    probe: str,
+    statistic: str,
+    group_sums: Mapping[Site, Tensor],
+    ratio: Callable[[Site, float, float], float],
+) -> list[dict[str, Any]]:
+    """Rows ``statistic`` = ratio[l] / ratio[p] at each residual site but the first of its
+    kind, p the previous measured layer of that kind, with a joint jackknife interval.
+
+    ``group_sums[site]`` is ``(G, 2)``: (Σ tangent energy, Σ total energy) per group of
+    sequences; ``ratio(site, tangent, total)`` the per-layer ratio from summed energies.
+    Only groups seen at both layers count; with fewer than two the interval is omitted."""
+    by_kind: dict[str, list[Site]] = {}
+    for site in sorted(group_sums, key=lambda s: s.layer):
+        if site.kind in RESIDUAL_KINDS:
+            by_kind.setdefault(site.kind, []).append(site)
+    out = []
+    for sites in by_kind.values():
+        for prev, site in pairwise(sites):
+            now, before = group_sums[site].cpu(), group_sums[prev].cpu()
+            seen = (now[:, 1] > 0) & (before[:, 1] > 0)
+            if not bool(seen.any()):
+                continue
+            now, before = now[seen], before[seen]
+            parts = [(now.sum(0), before.sum(0))]
+            parts += [(parts[0][0] - a, parts[0][1] - b) for a, b in zip(now, before, strict=True)]
+            values = [
+                _over(ratio(site, *map(float, a)), ratio(prev, *map(float, b))) for a, b in parts
+            ]
+            ci = jackknife_interval(values[1:], values[0]) if len(values) > 2 else None
+            out.append(row(probe, site, statistic, values[0], **ci_columns(ci)))
+    return out
+
+
+def _over(numerator: float, denominator: float) -> float:
+    """numerator / denominator, NaN for 0 / 0 and inf for x / 0: no ZeroDivisionError."""
+    if denominator == 0:
+        return math.nan if numerator == 0 else math.inf
+    return numerator / denominator
+
+
 class ResidualProbe(Probe):
-    """Accumulates `energy_sums` per site. ``bases`` maps each measured site (residual
-    sites and writes) to the basis it is measured in."""
+    """Accumulates `energy_sums` per site and group of sequences. ``bases`` maps each
+    measured site (residual sites and writes) to the basis it is measured in."""
 
     name = "residual"
 
-    def __init__(self, bases: Mapping[Site, TangentBasis]) -> None:
+    def __init__(self, bases: Mapping[Site, TangentBasis], *, n_groups: int = 10) -> None:
         super().__init__()
         for site in bases:
             if site.kind not in (*RESIDUAL_KINDS, *WRITE_KINDS):
@@ -77,8 +132,9 @@ class ResidualProbe(Probe):
                     f"the residual probe measures residual sites and writes; got {site}."
                 )
         self.bases = dict(bases)
+        self.n_groups = check_int(n_groups, "n_groups", minimum=2)
         for site in self.bases:
-            self.add_state(site.hook_name, lambda: Sum((3,)))
+            self.add_state(site.hook_name, lambda: Sum((self.n_groups, 3)))
 
     @property
     def forward_sites(self) -> list[Site]:
@@ -86,18 +142,31 @@ class ResidualProbe(Probe):
 
     def update(self, obs: Observation) -> None:
         sums = energy_sums(obs.tensor, self.bases[obs.site], obs.mask)
-        self.state(obs.site.hook_name).add(sums)
+        state = self.state(obs.site.hook_name)
+        update = torch.zeros_like(state.value, device=sums.device)
+        update[obs.group % self.n_groups] = sums
+        state.add(update)
+
+    def group_sums(self) -> dict[Site, Tensor]:
+        """Site → ``(G, 2)`` float64: (Σ‖x Q_T‖², Σ‖x‖²) per group of sequences."""
+        return {s: self.state(s.hook_name).value.cpu()[:, [1, 0]] for s in self.bases}
+
+    def _ratio(self, site: Site, tangent: float, total: float) -> float:
+        return shares(tangent, total, self.bases[site].k, self.bases[site].d)["share_ratio"]
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
+        groups = self.group_sums()
         for site, basis in self.bases.items():
-            total, tangent, n = self.state(site.hook_name).value.tolist()
+            total, tangent, n = self.state(site.hook_name).value.cpu().sum(0).tolist()
             if n == 0:
                 continue
+            seen = groups[site][groups[site][:, 1] > 0]
+            cis = share_intervals(seen, k=basis.k, d=basis.d) if seen.shape[0] >= 2 else {}
             values = {
                 **shares(tangent, total, basis.k, basis.d),
                 "mean_sq_norm": total / n,
                 "n_tokens": n,
             }
-            out += [row(self.name, site, stat, v) for stat, v in values.items()]
-        return out
+            out += [row(self.name, site, k, v, **ci_columns(cis.get(k))) for k, v in values.items()]
+        return out + amplification_rows(self.name, "share_amplification", groups, self._ratio)
