@@ -1,10 +1,30 @@
 """Streaming, mergeable sufficient statistics of vectors.
 
 `Moments` keeps the count, the mean and the centred scatter matrix of a stream
-of d-dimensional vectors in float64, whatever the input dtype or device. Batches
-are combined with Chan et al.'s pairwise formulas, which are exact in exact
-arithmetic and numerically stable: a stream whose mean is 1e4 with unit spread
-keeps its covariance to ~1e-12 relative, where a naive E[xxᵀ] − μμᵀ loses it all.
+of d-dimensional vectors, whatever the input dtype or device. Batches are combined
+with Chan et al.'s pairwise formulas, which are exact in exact arithmetic and
+numerically stable: a stream whose mean is 1e4 with unit spread keeps its covariance
+to ~1e-12 relative in float64, where a naive E[xxᵀ] − μμᵀ loses it all.
+
+Precision rule (`gram_dtype`). A batch's d×d product is formed in float32 when the
+activations are float32, float16 or bfloat16 and float32 matmuls on their device are
+IEEE (not TF32 / bf16 passes), and the caller asks for it (``fast=True``); in float64
+otherwise. The probes ask only where float32 is enough for what they compute
+(`Probe.float32_products`: `fit_bases`, whose bases move by 3e-10 of overlap) or under
+``memory="compact"``: gradients (ΔIso* is a small difference of IsoScore* values, which
+float32 products moved by up to 9e-5 relative) and the activations behind
+``normalized_ratio`` (1 − share in a denominator: 1e-6 relative on a tiny model) keep
+float64 products. `Moments.update` keeps float64 products. The float32 product is formed
+about the batch's own mean rounded to float32 (the offset of that centre corrected
+exactly in float64) and scaled by a power of two, so neither a large mean nor float32's
+range costs precision, then added into float64 state: a float32 stream of mean 1e4 with
+unit spread keeps its covariance to 6e-8 (`benchmarks/bench_accumulation.py`).
+
+Memory (`MEMORY`). ``memory="full"`` keeps the scatter in float64 (8·d² bytes);
+``"compact"`` in float32 (4·d² bytes), for d ≥ 2048: half the memory, every statistic
+still read in float64. The mean (d floats) is float64 in both. Measured on the same run:
+shares, ratios, ΔIso*_T and p-values within 1e-6 of full, the controls' mean ΔIso*
+(``delta_iso_normal``, a small difference) within 9e-5 relative.
 
 The sum and the uncentred Gram matrix are derived on demand, so every use
 (`covariance`, `second_moment`, merge, all-reduce) reads one consistent state.
@@ -20,12 +40,76 @@ from torch import Tensor
 from .errors import CorruptFileError, UsageError
 from .validation import check_int
 
-__all__ = ["Moments", "SharedBatch", "batch_statistics"]
+__all__ = [
+    "MEMORY",
+    "Moments",
+    "SharedBatch",
+    "batch_statistics",
+    "gram_dtype",
+    "scatter_of",
+    "state_dtype",
+    "unit_scale",
+]
+
+MEMORY = {"full": torch.float64, "compact": torch.float32}
+
+
+def state_dtype(memory: str) -> torch.dtype:
+    """The dtype of d×d state for a ``memory`` mode (see the module docstring)."""
+    if memory not in MEMORY:
+        raise UsageError(f"memory must be one of {sorted(MEMORY)}; got {memory!r}.")
+    return MEMORY[memory]
+
+
+def _ieee_float32_matmul(device: torch.device) -> bool:
+    """Whether float32 matmuls on ``device`` run in IEEE float32, not in TF32 or bf16
+    passes (`torch.set_float32_matmul_precision`, ``fp32_precision``). Unknown: no."""
+    backends = {"cuda": torch.backends.cuda, "cpu": torch.backends.mkldnn}
+    try:
+        own = backends[device.type].matmul.fp32_precision
+        return (own if own != "none" else torch.backends.fp32_precision) in ("none", "ieee")
+    except (KeyError, AttributeError, RuntimeError):
+        return False
+
+
+def gram_dtype(x: Tensor) -> torch.dtype:
+    """The dtype of the per-batch products of ``x`` (the module docstring's rule):
+    float32 for float32/float16/bfloat16 activations where float32 matmuls are IEEE,
+    float64 otherwise."""
+    low = x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return torch.float32 if low and _ieee_float32_matmul(x.device) else torch.float64
+
+
+def unit_scale(t: Tensor) -> Tensor:
+    """2^-e with 2^(e-1) ≤ max|t| < 2^e (1 for zeros), on t's device: multiplying by it is
+    exact and brings t into [-1, 1), so float32 products neither overflow nor underflow."""
+    return torch.ldexp(torch.ones((), device=t.device), -torch.frexp(t.abs().amax())[1])
+
+
+def scatter_of(rows: Tensor, mean: Tensor, *, fast: bool = False) -> Tensor:
+    """Σ (x − x̄)(x − x̄)ᵀ over the rows of ``rows`` (n, d) with ``mean`` x̄ (float64),
+    returned in float64; the product in float64, or with ``fast`` in `gram_dtype`: about
+    x̄ rounded to float32 (the offset of that centre corrected exactly), scaled by a power
+    of two that keeps every entry inside float32's range."""
+    work = gram_dtype(rows) if fast else torch.float64
+    if work == torch.float64:
+        centred = rows.to(torch.float64) - mean
+        return centred.T @ centred
+    centred = rows.to(work) - mean.to(work)
+    scale = unit_scale(centred)
+    centred.mul_(scale)
+    offset = centred.sum(0, dtype=torch.float64) / rows.shape[0]  # (x̄ − centre)·scale
+    gram = (centred.T @ centred).to(torch.float64)
+    gram -= torch.outer(offset, offset) * rows.shape[0]
+    return gram / scale.to(torch.float64) ** 2
 
 
 @torch.no_grad()
-def batch_statistics(x: Tensor, mask: Tensor | None = None) -> tuple[int, Tensor, Tensor]:
-    """(count, mean, centred scatter) of the rows of ``x`` ``(..., d)``, in float64.
+def batch_statistics(
+    x: Tensor, mask: Tensor | None = None, *, fast: bool = False
+) -> tuple[int, Tensor, Tensor]:
+    """(count, mean, centred scatter) of the rows of ``x`` ``(..., d)``, in float64
+    (the scatter's product in float64, or with ``fast`` in `gram_dtype`).
 
     ``mask`` (shape ``x.shape[:-1]``) keeps positions where it is true.
     """
@@ -41,13 +125,13 @@ def batch_statistics(x: Tensor, mask: Tensor | None = None) -> tuple[int, Tensor
                 f"got {tuple(mask.shape)}."
             )
         x = x[mask]
-    rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
-    d = rows.shape[1]
-    if rows.shape[0] == 0:
-        return 0, rows.new_zeros(d), rows.new_zeros(d, d)
-    mean = rows.mean(0)
-    centred = rows - mean
-    scatter = centred.T @ centred
+    rows = x.detach().reshape(-1, x.shape[-1])
+    n, d = rows.shape
+    if n == 0:
+        zeros = torch.zeros(d, d, dtype=torch.float64, device=rows.device)
+        return 0, torch.zeros(d, dtype=torch.float64, device=rows.device), zeros
+    mean = rows.sum(0, dtype=torch.float64) / n
+    scatter = scatter_of(rows, mean, fast=fast)
     # NaN or Inf anywhere in the batch reaches its mean or the scatter's diagonal:
     # an O(d) check instead of a pass over every element.
     if not bool(torch.isfinite(mean).all() & torch.isfinite(scatter.diagonal()).all()):
@@ -55,7 +139,7 @@ def batch_statistics(x: Tensor, mask: Tensor | None = None) -> tuple[int, Tensor
             "x contains NaN or Inf; check the model's dtype (overflow in float16?) "
             "or mask the offending positions with mask=."
         )
-    return rows.shape[0], mean, scatter
+    return n, mean, scatter
 
 
 class SharedBatch:
@@ -75,17 +159,19 @@ class SharedBatch:
             return None
         return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
 
-    def __call__(self, x: Tensor, mask: Tensor | None = None) -> tuple[int, Tensor, Tensor]:
-        key = (self._key_of(x), self._key_of(mask))
+    def __call__(
+        self, x: Tensor, mask: Tensor | None = None, *, fast: bool = False
+    ) -> tuple[int, Tensor, Tensor]:
+        key = (self._key_of(x), self._key_of(mask), fast)
         if self._stats is None or key != self._key:
-            self._stats = batch_statistics(x, mask)
+            self._stats = batch_statistics(x, mask, fast=fast)
             # detached: the same storage keeps the key valid, without keeping a graph alive
             self._key, self._held = key, (x.detach(), mask)
         return self._stats
 
 
 class Moments:
-    """Count, sum and Gram matrix of a stream of vectors, in float64.
+    """Count, sum and Gram matrix of a stream of vectors, read in float64.
 
     >>> m = Moments()
     >>> m.update(torch.randn(8, 128, 64))     # (..., d); d inferred on first use
@@ -93,10 +179,19 @@ class Moments:
     torch.Size([64, 64])
 
     State: ``count`` (number of vectors), ``mean_`` (d,), ``scatter`` (d, d) =
-    Σ (x − mean)(x − mean)ᵀ. ``sum`` and ``gram`` (Σ x xᵀ) are derived.
+    Σ (x − mean)(x − mean)ᵀ. ``sum`` and ``gram`` (Σ x xᵀ) are derived. ``dtype``: the
+    scatter's storage, float64 or float32 (``memory="compact"``); reads are float64.
     """
 
-    def __init__(self, d: int | None = None, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        d: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float64,
+    ) -> None:
+        if dtype not in MEMORY.values():
+            raise UsageError(f"Moments store float64 or float32; got dtype={dtype}.")
+        self.dtype = dtype
         self._n = 0
         self._mean: Tensor | None = None
         self._scatter: Tensor | None = None
@@ -108,7 +203,12 @@ class Moments:
         check_int(d, "d", minimum=1)
         self._device = device
         self._mean = torch.zeros(d, dtype=torch.float64, device=device)
-        self._scatter = torch.zeros(d, d, dtype=torch.float64, device=device)
+        self._scatter = torch.zeros(d, d, dtype=self.dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state's tensors (0 before the first update)."""
+        return sum(t.nbytes for t in (self._mean, self._scatter) if t is not None)
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
@@ -137,7 +237,7 @@ class Moments:
             return
         delta = mean_b - self._mean
         self._mean += delta * (n_b / n)
-        self._scatter += scatter_b + torch.outer(delta, delta) * (n_a * n_b / n)
+        self._scatter += (scatter_b + torch.outer(delta, delta) * (n_a * n_b / n)).to(self.dtype)
         self._n = n
 
     # ------------------------------------------------------------------- merge
@@ -151,7 +251,7 @@ class Moments:
             self._init(other.d, self._device or other._device)
         if other.d != self.d:
             raise UsageError(f"cannot merge Moments with d={other.d} into d={self.d}.")
-        self._combine(other._n, other._mean.to(self._device), other._scatter.to(self._device))
+        self._combine(other._n, other._mean.to(self._device), other._scatter64().to(self._device))
         return self
 
     def remove(self, other: Moments) -> Moments:
@@ -170,7 +270,7 @@ class Moments:
             )
         n_a, n_b = self._n, other._n
         n = n_a - n_b
-        mean_b, scatter_b = other._mean.to(self._device), other._scatter.to(self._device)
+        mean_b, scatter_b = other._mean.to(self._device), other._scatter64().to(self._device)
         if n == 0:
             self._n = 0
             self._mean.zero_()
@@ -179,14 +279,15 @@ class Moments:
         mean = (self._mean * n_a - mean_b * n_b) / n
         delta = mean_b - mean
         between = torch.outer(delta, delta) * (n * n_b / n_a)
-        scatter = self._scatter - scatter_b - between
-        slack = 1e-8 * (self._scatter.diagonal() + scatter_b.diagonal() + between.diagonal())
+        own = self._scatter64()
+        scatter = own - scatter_b - between
+        slack = 1e-8 * (own.diagonal() + scatter_b.diagonal() + between.diagonal())
         if bool((scatter.diagonal() < -slack).any()):
             raise UsageError(
                 "removing these Moments leaves a negative variance: they are not a sub-stream "
                 "of the Moments they were removed from."
             )
-        self._n, self._mean, self._scatter = n, mean, scatter
+        self._n, self._mean, self._scatter = n, mean, scatter.to(self.dtype)
         return self
 
     def __add__(self, other: Moments) -> Moments:
@@ -196,7 +297,7 @@ class Moments:
         return self.copy().remove(other)
 
     def copy(self) -> Moments:
-        out = Moments()
+        out = Moments(dtype=self.dtype)
         out.load_state_dict(self.state_dict())
         return out
 
@@ -222,6 +323,9 @@ class Moments:
                 "Feed more tokens with update()."
             )
 
+    def _scatter64(self) -> Tensor:
+        return self._scatter.to(torch.float64)
+
     @property
     def mean(self) -> Tensor:
         self._require_data("mean")
@@ -236,7 +340,7 @@ class Moments:
     def gram(self) -> Tensor:
         """Σ x xᵀ (uncentred)."""
         self._require_data("gram")
-        return self._scatter + torch.outer(self._mean, self._mean) * self._n
+        return self._scatter64() + torch.outer(self._mean, self._mean) * self._n
 
     def covariance(self, ddof: int = 0) -> Tensor:
         """Centred covariance Σ (x − μ)(x − μ)ᵀ / (count − ddof).
@@ -245,17 +349,18 @@ class Moments:
         metric here; ``ddof=1`` gives the unbiased sample covariance (numpy's default).
         """
         self._require_data("covariance", ddof + 1)
-        return self._scatter / (self._n - ddof)
+        return self._scatter64() / (self._n - ddof)
 
     def second_moment(self) -> Tensor:
         """Uncentred second moment E[x xᵀ] = Σ x xᵀ / count."""
         self._require_data("second_moment")
-        return self._scatter / self._n + torch.outer(self._mean, self._mean)
+        return self._scatter64() / self._n + torch.outer(self._mean, self._mean)
 
     def trace_second_moment(self) -> float:
         """E‖x‖² without forming the d×d matrix."""
         self._require_data("trace_second_moment")
-        return float(torch.diagonal(self._scatter).sum() / self._n + self._mean @ self._mean)
+        trace = torch.diagonal(self._scatter).sum(dtype=torch.float64)
+        return float(trace / self._n + self._mean @ self._mean)
 
     # -------------------------------------------------------------- state_dict
     def state_dict(self) -> dict[str, Tensor]:
@@ -281,7 +386,7 @@ class Moments:
                 self._n, self._mean, self._scatter = 0, None, None
                 return self
             mean = torch.as_tensor(state["mean"], dtype=torch.float64)
-            scatter = torch.as_tensor(state["scatter"], dtype=torch.float64)
+            scatter = torch.as_tensor(state["scatter"], dtype=self.dtype)
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
             raise CorruptFileError(
                 f"corrupt Moments state ({type(err).__name__}: {err}); recompute the statistics."
@@ -330,11 +435,11 @@ class Moments:
             return self
         centre /= total
         dm = self._mean - centre
-        shifted = self._scatter + torch.outer(dm, dm) * self._n
+        shifted = self._scatter64() + torch.outer(dm, dm) * self._n
         dist.all_reduce(shifted, group=group)
         self._n = total
         self._mean = centre
-        self._scatter = shifted
+        self._scatter = shifted.to(self.dtype)
         return self
 
     def __repr__(self) -> str:

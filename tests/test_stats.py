@@ -1,4 +1,5 @@
-"""Moments: streaming == one-shot, merge == one pass, stability, state round trip."""
+"""Moments: streaming == one-shot, merge == one pass, stability, state round trip; the
+float32 products of float32 activations against the all-float64 ones."""
 
 import itertools
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangentlens.errors import CorruptFileError, UsageError
-from tangentlens.stats import Moments
+from tangentlens.stats import Moments, batch_statistics, gram_dtype, state_dtype
 
 
 def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,7 +28,8 @@ def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     seed=st.integers(0, 2**16),
 )
 def test_streaming_equals_one_shot(n, d, cuts, seed):
-    x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed)) * 3 + 5
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64) * 3 + 5
     bounds = sorted({0, n, *[c % (n + 1) for c in cuts]})
     m = Moments()
     for a, b in itertools.pairwise(bounds):
@@ -45,7 +47,7 @@ def test_streaming_equals_one_shot(n, d, cuts, seed):
 @given(shards=st.lists(st.integers(0, 20), min_size=1, max_size=6), seed=st.integers(0, 999))
 def test_merge_equals_single_pass(shards, seed):
     gen = torch.Generator().manual_seed(seed)
-    parts = [torch.randn(s, 4, generator=gen) + 10 for s in shards]
+    parts = [torch.randn(s, 4, generator=gen, dtype=torch.float64) + 10 for s in shards]
     merged = Moments()
     for p in parts:
         merged.merge(Moments(d=4).update(p))
@@ -184,7 +186,7 @@ def test_all_reduce_without_distributed_is_noop():
 
 
 def test_shared_batch_reuses_only_the_same_unchanged_memory():
-    from tangentlens.stats import SharedBatch, batch_statistics
+    from tangentlens.stats import SharedBatch
 
     shared = SharedBatch()
     x = torch.randn(2, 5, 3)
@@ -198,3 +200,74 @@ def test_shared_batch_reuses_only_the_same_unchanged_memory():
     assert shared(x, mask) is not again  # another mask, another entry
     m = Moments().add_batch(*shared(x, mask))
     torch.testing.assert_close(m.covariance(), Moments().update(x).covariance())
+
+
+def _float64_statistics(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    exact = batch_statistics(x)  # float64 products: the default, and gradients'
+    reference = batch_statistics(x.double(), fast=True)  # float64 input: float64 anyway
+    torch.testing.assert_close(exact[2], reference[2], rtol=1e-12, atol=0)
+    return reference
+
+
+@pytest.mark.parametrize(("mean", "spread"), [(0.0, 1.0), (1e4, 1.0), (-3e3, 1e-3), (0.0, 1e-25)])
+def test_float32_products_within_1e_6_of_float64(mean, spread):
+    """float32 activations: the product in float32, about the batch mean, scaled by a power
+    of two; covariance and second moment within 1e-6 relative of the all-float64 product,
+    also with a large mean (1e4, unit spread) and far outside float32's square range."""
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.logspace(-2, 1, 96, dtype=torch.float64)  # a 1000x range of spreads
+    x = (torch.randn(2048, 96, generator=gen, dtype=torch.float64) * scales * spread + mean).float()
+    assert gram_dtype(x) == torch.float32 and gram_dtype(x.double()) == torch.float64
+    fast, ref = Moments(), Moments()
+    for chunk in x.split(500):
+        fast.add_batch(*batch_statistics(chunk, fast=True))
+        ref.add_batch(*_float64_statistics(chunk))
+    for a, b in [
+        (fast.covariance(), ref.covariance()),
+        (fast.second_moment(), ref.second_moment()),
+    ]:
+        assert ((a - b).norm() / b.norm()).item() < 1e-6
+    torch.testing.assert_close(fast.mean, ref.mean, rtol=1e-12, atol=0)
+
+
+def test_reduced_precision_matmul_keeps_float64():
+    """Where float32 matmuls may run in bf16 / TF32 passes, products stay in float64."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        assert gram_dtype(torch.ones(2, 2)) == torch.float64
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert gram_dtype(torch.ones(2, 2)) == torch.float32
+
+
+def test_compact_state_is_float32_and_reads_float64():
+    x = torch.randn(300, 6, dtype=torch.float64) * 2 + 7
+    full = Moments().update(x)
+    compact = Moments(dtype=state_dtype("compact")).update(x)
+    assert compact._scatter.dtype == torch.float32 and compact.covariance().dtype == torch.float64
+    assert compact.nbytes == 6 * 8 + 36 * 4 and full.nbytes == 6 * 8 + 36 * 8
+    torch.testing.assert_close(compact.covariance(), full.covariance(), rtol=1e-6, atol=0)
+    again = Moments(dtype=torch.float32).load_state_dict(compact.state_dict())
+    assert again.state_dict()["scatter"].dtype == torch.float32
+    merged = compact.copy().merge(full)
+    assert merged.dtype == torch.float32 and merged.count == 600
+    with pytest.raises(UsageError, match="memory must be one of"):
+        state_dtype("small")
+
+
+def test_observations_get_float32_products_only_where_allowed():
+    """Float32 batch products only where the session allows them (`fast`: a probe that
+    fits a basis); gradients and the activations behind ratios get float64 products."""
+    from tangentlens.hooks import Site
+    from tangentlens.probes import ActivationProbe, GradientProbe
+    from tangentlens.probes.base import Observation
+
+    x = torch.randn(3, 40, 16)
+    precise = Observation(Site(0, "resid_pre"), x).statistics()
+    fast = Observation(Site(0, "resid_pre"), x, fast=True).statistics()
+    reference = batch_statistics(x.double())
+    torch.testing.assert_close(precise[2], reference[2], rtol=1e-13, atol=0)
+    assert not torch.equal(fast[2], reference[2])  # float32 products: close, not equal
+    torch.testing.assert_close(fast[2], reference[2], rtol=1e-5, atol=1e-5)
+    assert ActivationProbe.float32_products and not GradientProbe.float32_products

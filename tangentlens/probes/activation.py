@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..errors import UsageError
 from ..hooks.sites import Site
-from ..stats import Moments
+from ..stats import Moments, state_dtype
 from ..validation import check_int
 from .base import Observation, Probe, row
 
@@ -83,16 +83,21 @@ class Reservoir:
 
 class ActivationProbe(Probe):
     """`Moments` of the activations at each site, and optionally a `Reservoir` (a
-    per-process sample: it is not part of the mergeable state)."""
+    per-process sample: it is not part of the mergeable state). Memory per site:
+    8d² + 8d bytes (``memory="full"``) or 4d² + 8d (``"compact"``), plus 4·reservoir·d."""
 
     name = "activation"
+    float32_products = True  # what it feeds is a basis: 1 − overlap moves by ~3e-10
 
-    def __init__(self, sites: list[Site], *, reservoir: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self, sites: list[Site], *, reservoir: int = 0, seed: int = 0, memory: str = "full"
+    ) -> None:
         super().__init__()
         reservoir = check_int(reservoir, "reservoir (0: no sample)", minimum=0)
+        dtype = state_dtype(memory)
         self._sites = list(sites)
         for site in self._sites:
-            self.add_state(site.hook_name, Moments)
+            self.add_state(site.hook_name, lambda: Moments(dtype=dtype))
         self.reservoirs: dict[Site, Reservoir] = (
             {s: Reservoir(reservoir, seed=seed + i) for i, s in enumerate(sites)}
             if reservoir

@@ -42,6 +42,9 @@ class Observation:
     per tensor and shared by every probe that asks (and by views of the same tensor).
     ``group`` is the index of the forward pass the tensor belongs to (a gradient carries
     its forward pass's index): disjoint sets of whole sequences, for intervals over tokens.
+    ``fast``: the batch product may be formed in float32 (`statistics`); the session
+    allows it only where every probe reading the site says float32 products are enough
+    (`Probe.float32_products`) or under ``memory="compact"``.
     """
 
     site: Site
@@ -49,10 +52,12 @@ class Observation:
     mask: Tensor | None = None
     cache: SharedBatch = field(default_factory=SharedBatch)
     group: int = 0
+    fast: bool = False
 
     def statistics(self) -> tuple[int, Tensor, Tensor]:
-        """(count, mean, centred scatter) of the kept rows, float64."""
-        return self.cache(self.tensor, self.mask)
+        """(count, mean, centred scatter) of the kept rows, float64; with ``fast`` the
+        scatter's product is formed in `stats.gram_dtype` (float32 for float32 inputs)."""
+        return self.cache(self.tensor, self.mask, fast=self.fast)
 
 
 def row(probe: str, site: Site, statistic: str, value: float, **extra: Any) -> dict[str, Any]:
@@ -88,14 +93,15 @@ class Mergeable(Protocol):
 
 
 class Sum:
-    """A float64 tensor of sums (energies, counts): merged by addition."""
+    """A tensor of sums (energies, counts): merged by addition; float64, or ``dtype``
+    (float32 for d×d sums under ``memory="compact"``)."""
 
-    def __init__(self, shape: tuple[int, ...] = ()) -> None:
-        self.value = torch.zeros(shape, dtype=torch.float64)
+    def __init__(self, shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float64) -> None:
+        self.value = torch.zeros(shape, dtype=dtype)
 
     def add(self, value: Tensor) -> None:
         """``value`` is added where it lives (no host sync per batch)."""
-        self.value = value.to(torch.float64) + self.value.to(value.device)
+        self.value = value.to(self.value.dtype) + self.value.to(value.device)
 
     def merge(self, other: Sum) -> Sum:
         if other.value.shape != self.value.shape:
@@ -107,7 +113,7 @@ class Sum:
         return {"sum": self.value.detach().cpu().clone()}
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> Sum:
-        value = torch.as_tensor(state.get("sum", torch.empty(0)), dtype=torch.float64)
+        value = torch.as_tensor(state.get("sum", torch.empty(0)), dtype=self.value.dtype)
         if value.shape != self.value.shape or not bool(torch.isfinite(value).all()):
             raise CorruptFileError(
                 f"a saved sum has shape {tuple(value.shape)} or non-finite values; "
@@ -127,6 +133,10 @@ class Probe:
 
     name: ClassVar[str] = "probe"
     progress: bool = False  # a bar over the sites in rows() when they take a while
+    # whether float32 batch products (about the batch mean) are precise enough for what
+    # this probe computes from `Observation.statistics` of activations: a basis (top
+    # eigenvectors) is; a ratio with 1 − share in its denominator is not
+    float32_products: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._states: dict[str, Mergeable] = {}
@@ -232,9 +242,23 @@ class Probe:
         for key in sorted(self._states):
             state = self._states[key]
             if isinstance(state, Moments) and state.count == 0 and d is not None:
-                state = self._states[key] = Moments(d=d)
+                state = self._states[key] = Moments(d=d, dtype=state.dtype)
             state.all_reduce_(group)
         return self
+
+    def state_bytes(self, d: int) -> int:
+        """Bytes this probe's state takes once it has seen vectors of dimension ``d``:
+        `Moments` not yet sized are sized on the meta device (nothing is allocated)."""
+        total = 0
+        for state in self._states.values():
+            if isinstance(state, Moments):
+                sized = state if state.count else Moments(d, device="meta", dtype=state.dtype)
+                total += sized.nbytes
+            elif isinstance(state, Sum):
+                total += state.value.nbytes
+            else:
+                total += sum(t.nbytes for t in state.state_dict().values())
+        return total
 
     def __repr__(self) -> str:
         sites = sorted({s.hook_name for s in self.forward_sites + self.backward_sites})

@@ -18,39 +18,18 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..batches import as_batches, iter_batches, unpack_batch
 from ..errors import UnstableBasisWarning, UsageError
 from ..files import tensor_hash
 from ..hooks.base import get_backend
 from ..hooks.sites import INPUT_KINDS, RESIDUAL_KINDS, NamesFilter, Site
-from ..stats import Moments
+from ..stats import Moments, state_dtype
 from ..subspace import TangentBasis, near_chance, split_half_overlap
 from ..version import __version__
 from .bases import BasisSet
 from .session import ProbeSession
 
-__all__ = ["LOSSES", "fit_bases", "lm_loss", "masked_positions", "mlm_loss", "run", "unpack_batch"]
-
-
-def unpack_batch(batch: Any) -> tuple[Tensor, Tensor | None]:
-    if isinstance(batch, Mapping):
-        if "input_ids" not in batch:
-            raise UsageError(f"a dict batch needs 'input_ids'; got keys {sorted(batch)}.")
-        ids, mask = batch["input_ids"], batch.get("attention_mask")
-    else:
-        ids, mask = batch, None
-    ids = torch.as_tensor(ids)
-    if ids.ndim != 2 or ids.dtype.is_floating_point:
-        raise UsageError(
-            f"a batch must be (batch, pos) integer token ids or a dict with input_ids and "
-            f"attention_mask; got {tuple(ids.shape)} {ids.dtype}. Use ids[None] for one row."
-        )
-    if mask is not None:
-        mask = torch.as_tensor(mask)
-        if mask.shape != ids.shape:
-            raise UsageError(
-                f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(ids.shape)}."
-            )
-    return ids, mask
+__all__ = ["LOSSES", "fit_bases", "lm_loss", "masked_positions", "mlm_loss", "run"]
 
 
 def _device(model: Any) -> torch.device:
@@ -213,8 +192,10 @@ def run(
 ) -> ProbeSession:
     """Probe ``model`` over ``batches`` and return the closed session (`results()`).
 
-    Each batch is a ``(batch, pos)`` tensor of token ids or a dict with ``input_ids``
-    and ``attention_mask``. Without the gradient probe: one forward under ``no_grad``.
+    ``batches``: ``(batch, pos)`` token-id tensors, dicts with ``input_ids`` and
+    ``attention_mask``, text (a string or a list of strings, read with the model's
+    tokenizer) or an iterable of those (`tangentlens.batches`). Without the gradient
+    probe: one forward under ``no_grad``.
     With it: the loss, then gradients with respect to the embedding output only (model
     parameters' ``.grad`` are left untouched). ``loss``: ``"lm"`` (the summed next-token
     loss, `lm_loss`; the default for causal models), ``"mlm"`` (the seeded masked-token
@@ -236,7 +217,11 @@ def run(
         loss = "lm"
     loss = LOSSES[loss] if isinstance(loss, str) else loss
     session.leaves = [] if wants_grad else None
-    total = len(batches) if hasattr(batches, "__len__") else None
+    if hasattr(batches, "__len__"):
+        batches = as_batches(model, batches)
+        total: int | None = len(batches)
+    else:  # a stream: read one batch at a time
+        batches, total = iter_batches(model, batches), None
     device = _device(model)
     with session:
         for batch in tqdm(batches, total=total, disable=not progress, desc="probing"):
@@ -265,6 +250,7 @@ def fit_bases(
     layers: int | Iterable[int] | None = None,
     progress: bool = True,
     provenance: dict[str, Any] | None = None,
+    memory: str = "full",
 ) -> BasisSet:
     """One pass over ``batches``: activation `Moments` per site, then PCA per site.
 
@@ -273,6 +259,8 @@ def fit_bases(
     every layer). The returned `BasisSet` keeps the Moments in ``.moments``; each basis
     records ``split_half_overlap`` (bases fitted on the even and on the odd batches) in its
     provenance, and an `UnstableBasisWarning` names the sites where that is near chance.
+    ``memory="compact"`` keeps the d×d Moments in float32 (`tangentlens.stats`): three sets
+    (the two halves and their merge) of 4d² bytes per site instead of 8d².
     """
     if (rank is None) == (variance is None):
         raise UsageError("pass exactly one of rank= (an int) or variance= (a fraction in (0, 1]).")
@@ -282,17 +270,24 @@ def fit_bases(
         return Site.from_hook_name(name).kind in (*RESIDUAL_KINDS, *INPUT_KINDS)
 
     sites = default_sites if sites is None else sites
-    batches = list(batches)
+    batches = as_batches(model, batches)
     # even and odd batches apart: two bases fitted on disjoint halves of the sequences
     # tell how stable Q_T is (split_half_overlap); the fit uses both
     halves = [
         run(
-            model, part, None, ("activation",), layers=layers, sites=sites, progress=progress
+            model,
+            part,
+            None,
+            ("activation",),
+            layers=layers,
+            sites=sites,
+            progress=progress,
+            memory=memory,
         ).activation.moments
         for part in (batches[0::2], batches[1::2])
         if part
     ]
-    moments = {s: Moments().merge(m) for s, m in halves[0].items()}
+    moments = {s: Moments(dtype=state_dtype(memory)).merge(m) for s, m in halves[0].items()}
     for s, m in (halves[1] if len(halves) > 1 else {}).items():
         moments[s].merge(m)
     empty = [s.hook_name for s, m in moments.items() if m.count < 2]

@@ -19,11 +19,21 @@ over ``n_groups`` groups of whole sequences (forward pass i goes to group i mod 
 site and group it keeps four float64 sums, Σ‖gQ_T‖², Σ‖g‖² and the same of the
 activations: 4·G floats, whatever d. With fewer than two groups seen the interval is NaN.
 
+Memory per site: ``memory="full"`` keeps the gradient and the activation `Moments`,
+2·(8d² + 8d) bytes; ``"compact"`` keeps the gradient's only, in float32 (4d² + 8d), and
+takes the activations' share for ``normalized_ratio`` from the group sums (the same
+ratio of sums, E‖xQ_T‖²/E‖x‖²); `moments("act")` is then empty.
+
+``energy_amplification`` (energy_ratio[l] / energy_ratio[p], p the previous probed layer
+of the site kind) comes with a joint jackknife over the same groups
+(`tangentlens.probes.residual.amplification_rows`).
+
 Works on frozen models: the session makes the embedding output require grad.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,13 +41,13 @@ import torch
 
 from ..errors import UsageError
 from ..hooks.sites import RESIDUAL_KINDS, Site
-from ..significance import tangent_tests
-from ..stats import Moments
+from ..significance import energy_ratio, tangent_tests
+from ..stats import Moments, state_dtype
 from ..subspace import TangentBasis
 from ..uncertainty import share_intervals
 from ..validation import check_int
 from .base import Observation, Probe, Sum, ci_columns, row, sites_bar
-from .residual import energy_sums
+from .residual import amplification_rows, energy_sums
 
 __all__ = ["GradientProbe"]
 
@@ -54,8 +64,10 @@ class GradientProbe(Probe):
         n_controls: int = 1000,
         seed: int = 0,
         n_groups: int = 10,
+        memory: str = "full",
     ) -> None:
         super().__init__()
+        dtype = state_dtype(memory)
         for site in bases:
             if site.kind not in RESIDUAL_KINDS:
                 raise UsageError(
@@ -65,9 +77,11 @@ class GradientProbe(Probe):
         self.n_controls = check_int(n_controls, "n_controls", minimum=1)
         self.seed = check_int(seed, "seed", minimum=0)
         self.n_groups = check_int(n_groups, "n_groups", minimum=2)
+        self.memory = memory
         for site in self.bases:
-            self.add_state(f"act/{site.hook_name}", Moments)
-            self.add_state(f"grad/{site.hook_name}", Moments)
+            if memory == "full":
+                self.add_state(f"act/{site.hook_name}", Moments)
+            self.add_state(f"grad/{site.hook_name}", lambda: Moments(dtype=dtype))
             # per group: gradient (tangent, total) energy, then the activations'
             self.add_state(f"groups/{site.hook_name}", lambda: Sum((self.n_groups, 4)))
 
@@ -80,7 +94,8 @@ class GradientProbe(Probe):
         return list(self.bases)
 
     def update(self, obs: Observation) -> None:
-        self.state(f"act/{obs.site.hook_name}").add_batch(*obs.statistics())
+        if self.memory == "full":
+            self.state(f"act/{obs.site.hook_name}").add_batch(*obs.statistics())
         self._add_group(obs, 2)
 
     def update_gradient(self, obs: Observation) -> None:
@@ -95,7 +110,10 @@ class GradientProbe(Probe):
         sums.add(update)
 
     def moments(self, kind: str = "grad") -> dict[Site, Moments]:
-        """Site → `Moments` of the gradients (``kind="grad"``) or activations (``"act"``)."""
+        """Site → `Moments` of the gradients (``kind="grad"``) or activations (``"act"``;
+        none under ``memory="compact"``)."""
+        if kind == "act" and self.memory != "full":
+            return {}
         return {s: self.state(f"{kind}/{s.hook_name}") for s in self.bases}
 
     def rows(self) -> list[dict[str, Any]]:
@@ -109,12 +127,21 @@ class GradientProbe(Probe):
                 self.bases[site],
                 n_controls=self.n_controls,
                 seed=self.seed,
-                activation_moments=acts[site] if acts[site].count else None,
+                activation_moments=acts[site] if site in acts and acts[site].count else None,
             )
+            if not acts:  # compact: the activations' share from the group sums
+                tangent, total = self.state(f"groups/{site.hook_name}").value[:, 2:].sum(0).tolist()
+                act = self._ratio(site, tangent, total)
+                values["normalized_ratio"] = values["energy_ratio"] / act if act > 0 else math.nan
             values["n_tokens"] = float(grads.count)
             cis = self._intervals(site)
             out += [row(self.name, site, k, v, **ci_columns(cis.get(k))) for k, v in values.items()]
-        return out
+        groups = {s: self.state(f"groups/{s.hook_name}").value.cpu()[:, :2] for s in self.bases}
+        return out + amplification_rows(self.name, "energy_amplification", groups, self._ratio)
+
+    def _ratio(self, site: Site, tangent: float, total: float) -> float:
+        share = tangent / total if total > 0 else math.nan
+        return energy_ratio(share, self.bases[site].k, self.bases[site].d)
 
     def _intervals(self, site: Site) -> dict[str, tuple[float, float]]:
         sums = self.state(f"groups/{site.hook_name}").value.cpu()

@@ -39,7 +39,7 @@ from ..hooks.sites import (
     select_sites,
 )
 from ..results import frame
-from ..stats import Moments, SharedBatch
+from ..stats import Moments, SharedBatch, state_dtype
 from ..subspace import TangentBasis
 from ..validation import check_int
 from .activation import ActivationProbe
@@ -80,6 +80,8 @@ class ProbeSession:
     the group of the sequences of forward pass i (default: i), for intervals over tokens.
     ``leaves``: set to a list to collect the embedding outputs (made leaves requiring
     grad) of every forward, to take gradients with respect to them (`run` does).
+    ``memory``: ``"full"`` (float64 d×d state) or ``"compact"`` (float32, and the
+    gradient probe keeps no activation `Moments`), for d ≥ 2048 (`tangentlens.stats`).
     """
 
     def __init__(
@@ -96,8 +98,11 @@ class ProbeSession:
         n_groups: int = 10,
         group_of: Callable[[int], int] | None = None,
         head_null: int = 4,
+        memory: str = "full",
     ) -> None:
         self.backend: Backend = get_backend(model)
+        state_dtype(memory)  # a bad mode fails here, before any probe is built
+        self.memory = memory
         self.model = model
         chosen = (probes,) if isinstance(probes, str | Probe) else tuple(probes)
         own = [p for p in chosen if isinstance(p, Probe)]
@@ -168,14 +173,23 @@ class ProbeSession:
                     target = write_basis_site(write, bases, self.backend.n_layers)
                     if write in available and write in in_scope and target is not None:
                         measured[write] = bases[target]
-            self._add(planned, "residual", measured, lambda: ResidualProbe(measured))
+            self._add(
+                planned,
+                "residual",
+                measured,
+                lambda: ResidualProbe(measured, n_groups=self.n_groups),
+            )
         if "gradient" in self.names:
             self._add(
                 planned,
                 "gradient",
                 residual,
                 lambda: GradientProbe(
-                    residual, n_controls=n_controls, seed=seed, n_groups=self.n_groups
+                    residual,
+                    n_controls=n_controls,
+                    seed=seed,
+                    n_groups=self.n_groups,
+                    memory=self.memory,
                 ),
             )
         if "attention" in self.names:
@@ -188,6 +202,7 @@ class ProbeSession:
                     {s: (b, self.backend.attention_params(s.layer)) for s, b in inputs.items()},
                     n_null=self.head_null,
                     seed=seed,
+                    writes=self._head_writes(inputs, bases),
                 ),
             )
         if "weight_gradient" in self.names:
@@ -197,12 +212,19 @@ class ProbeSession:
                 "weight_gradient",
                 read,
                 lambda: WeightGradientProbe(
-                    read, self.backend, n_controls=n_controls, seed=seed, n_groups=self.n_groups
+                    read,
+                    self.backend,
+                    n_controls=n_controls,
+                    seed=seed,
+                    n_groups=self.n_groups,
+                    memory=self.memory,
                 ),
             )
         if "activation" in self.names:
             act_sites = sorted(scoped if bases else in_scope, key=site_order)
-            planned["activation"] = ActivationProbe(act_sites, reservoir=reservoir, seed=seed)
+            planned["activation"] = ActivationProbe(
+                act_sites, reservoir=reservoir, seed=seed, memory=self.memory
+            )
         if not any(p.forward_sites or p.backward_sites for p in planned.values()):
             if self.skipped:
                 reasons = "; ".join(f"{k}: {v}" for k, v in self.skipped.items())
@@ -213,6 +235,18 @@ class ProbeSession:
                 "sites: fit_bases(model, batches, rank=k, sites=...)."
             )
         return planned
+
+    def _head_writes(
+        self, inputs: Mapping[Site, TangentBasis], bases: Mapping[Site, TangentBasis]
+    ) -> dict[int, tuple[Site, TangentBasis, Tensor]]:
+        """Per attention layer probed, the residual basis its head writes are measured in
+        (`write_basis_site`, as for the residual probe's ``attn_out``) and its W_O."""
+        writes = {}
+        for site in inputs:
+            target = write_basis_site(Site(site.layer, "attn_out"), bases, self.backend.n_layers)
+            if target is not None:
+                writes[site.layer] = (target, bases[target], self.backend.output_weight(site.layer))
+        return writes
 
     def _add(
         self, planned: dict[str, Probe], name: str, sites: Mapping, make: Callable[[], Probe]
@@ -332,10 +366,12 @@ class ProbeSession:
     def _forward_hook(
         self, site: Site, readers: list[Probe], track_grad: bool
     ) -> Callable[[Tensor], None]:
+        fast = self.memory == "compact" or all(r.float32_products for r in readers)
+
         def hook(x: Tensor) -> None:
             self._seen["forward"] += 1
             mask = self._mask_for(site, x)
-            obs = Observation(site, x, mask, self._cache, self._group)
+            obs = Observation(site, x, mask, self._cache, self._group, fast=fast)
             with torch.no_grad():
                 for reader in readers:
                     reader.update(obs)
@@ -362,7 +398,7 @@ class ProbeSession:
             # under the next-token loss) carry no gradient: they leave the statistics
             nonzero = grad.detach().ne(0).any(-1)
             mask = nonzero if mask is None else mask.to(nonzero.device) & nonzero
-            obs = Observation(site, grad, mask, self._cache, group)
+            obs = Observation(site, grad, mask, self._cache, group)  # float64 products
             for reader in readers:
                 reader.update_gradient(obs)
 
@@ -497,7 +533,8 @@ def probe(
     ``bases``: a `BasisSet` or a dict hook name → `TangentBasis`; the probes run at the
     sites that have a basis (``blocks.{l}.hook_resid_pre`` …; attention at
     ``blocks.{l}.ln1.hook_out``). Options: ``sites`` (names filter), ``n_controls`` and
-    ``seed`` for the gradient tests, ``reservoir`` (activation sample size per site).
+    ``seed`` for the gradient tests, ``reservoir`` (activation sample size per site),
+    ``memory`` (``"full"`` or ``"compact"``: float32 d×d state, for d ≥ 2048).
     """
     return ProbeSession(model, bases, probes, layers, **options)
 

@@ -18,8 +18,9 @@ maps at ``mlp_in``. S is tested like a gradient second moment (`significance.mat
 
 Intervals: with ``n_groups`` ≥ 2, S is kept per group of sequences (forward pass i joins
 group i mod G, or the session's ``group_of``) and ``tangent_share`` / ``energy_ratio``
-get 95 % delete-a-group jackknife intervals (`tangentlens.uncertainty`); memory G·d² per
-site.
+get 95 % delete-a-group jackknife intervals (`tangentlens.uncertainty`). Memory per site:
+(G + 1)·8d² + 8d bytes (the activation `Moments` and G sums), or half that with
+``memory="compact"`` (float32 state).
 
 X and Δ come from hooks on the maps themselves (`Backend.input_linears`): a forward hook
 keeps the detached input and hooks the output tensor; when Δ arrives, G is folded in and
@@ -41,13 +42,13 @@ from ..errors import UsageError
 from ..hooks.base import Backend, Handle, ModuleHandle
 from ..hooks.sites import INPUT_KINDS, Site
 from ..significance import energy_ratio, matrix_tests
-from ..stats import Moments
+from ..stats import Moments, gram_dtype, state_dtype, unit_scale
 from ..subspace import TangentBasis, tangent_share
 from ..uncertainty import jackknife_interval
 from ..validation import check_int
 from .base import Observation, Probe, Sum, ci_columns, row, sites_bar
 
-__all__ = ["WeightGradientProbe", "matrix_intervals"]
+__all__ = ["WeightGradientProbe", "input_gradient", "matrix_intervals"]
 
 
 class WeightGradientProbe(Probe):
@@ -64,8 +65,10 @@ class WeightGradientProbe(Probe):
         n_controls: int = 1000,
         seed: int = 0,
         n_groups: int = 1,
+        memory: str = "full",
     ) -> None:
         super().__init__()
+        dtype = state_dtype(memory)
         for site in bases:
             if site.kind not in INPUT_KINDS:
                 raise UsageError(
@@ -79,9 +82,9 @@ class WeightGradientProbe(Probe):
         self.n_groups = check_int(n_groups, "n_groups", minimum=1)
         self._masks: dict[Site, tuple[Tensor | None, int]] = {}
         for site, basis in self.bases.items():
-            self.add_state(f"act/{site.hook_name}", Moments)
+            self.add_state(f"act/{site.hook_name}", lambda: Moments(dtype=dtype))
             for g in range(self.n_groups):
-                self.add_state(f"wgrad/{g}/{site.hook_name}", lambda d=basis.d: Sum((d, d)))
+                self.add_state(f"wgrad/{g}/{site.hook_name}", lambda d=basis.d: Sum((d, d), dtype))
             self.add_state(f"passes/{site.hook_name}", Sum)
 
     @property
@@ -134,14 +137,15 @@ class WeightGradientProbe(Probe):
         group: int,
         counts_pass: bool,
     ) -> None:
-        """S += G Gᵀ with G = XᵀΔ over the kept positions, in float64."""
+        """S += G Gᵀ with G = XᵀΔ over the kept positions (`input_gradient`), G Gᵀ in
+        float64, into float64 (or ``memory="compact"``: float32) state."""
         with torch.no_grad():
             x = x.reshape(-1, x.shape[-1])
-            delta = delta.detach().reshape(-1, delta.shape[-1])
+            delta = delta.detach().reshape(-1, delta.shape[-1]).to(x.device)
             if mask is not None:
                 keep = mask.reshape(-1).to(x.device)
                 x, delta = x[keep], delta[keep]
-            g = x.double().T @ delta.to(x.device, torch.float64)
+            g = input_gradient(x, delta)
             self.state(f"wgrad/{group % self.n_groups}/{site.hook_name}").add(g @ g.T)
             if counts_pass:
                 self.state(f"passes/{site.hook_name}").add(torch.ones((), device=g.device))
@@ -155,7 +159,10 @@ class WeightGradientProbe(Probe):
 
     def group_matrices(self, site: Site) -> list[Tensor]:
         """S of each group of sequences at ``site``."""
-        return [self.state(f"wgrad/{g}/{site.hook_name}").value for g in range(self.n_groups)]
+        return [
+            self.state(f"wgrad/{g}/{site.hook_name}").value.to(torch.float64)
+            for g in range(self.n_groups)
+        ]
 
     def matrices(self) -> dict[Site, Tensor]:
         """Site → S = Σ G Gᵀ (d × d, float64), summed over passes, maps and groups."""
@@ -179,6 +186,20 @@ class WeightGradientProbe(Probe):
             cis = matrix_intervals(self.group_matrices(site), self.bases[site])
             out += [row(self.name, site, k, v, **ci_columns(cis.get(k))) for k, v in values.items()]
         return out
+
+
+def input_gradient(x: Tensor, delta: Tensor) -> Tensor:
+    """G = XᵀΔ (d_in × out) in float64, the product formed in `stats.gram_dtype`: X about
+    its mean rounded to float32, G = (X − 1cᵀ)ᵀΔ + c·(1ᵀΔ) with the rank-one part in
+    float64, Δ scaled by an exact power of two (`stats.unit_scale`)."""
+    work = gram_dtype(x)
+    if work == torch.float64:
+        return x.to(torch.float64).T @ delta.to(torch.float64)
+    centre = (x.sum(0, dtype=torch.float64) / max(x.shape[0], 1)).to(work)
+    scale = unit_scale(delta)
+    g = ((x.to(work) - centre).T @ (delta.to(work) * scale)).to(torch.float64)
+    g /= scale.to(torch.float64)
+    return g + torch.outer(centre.to(torch.float64), delta.sum(0, dtype=torch.float64))
 
 
 def matrix_intervals(groups: list[Tensor], basis: TangentBasis) -> dict[str, tuple[float, float]]:
