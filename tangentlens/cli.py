@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         metavar="NAME|FOLDER",
         required=True,
-        help="smollm2-135m, minilm-l6, a local Hugging Face folder, or a hub id",
+        help="smollm2-135m, minilm-l6, gemma3-270m, a local Hugging Face folder, or a hub id",
     )
     probe.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0], help="(%(default)s)")
     probe.add_argument("--text", metavar="FILE", help=kjv)
@@ -343,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     study.add_argument("--early", metavar="LO:HI", type=_step_range, help="early steps")
     study.add_argument("--late", metavar="LO:HI", type=_step_range, help="late steps")
-    study.add_argument("--sequences", metavar="N", type=_positive_int, help="probe set (32)")
+    study.add_argument(
+        "--sequences", metavar="N", type=_positive_int, help="probe set, in sequences (256)"
+    )
     study.add_argument("--corpus", metavar="FILE", help=kjv)
     study.add_argument("--seed", metavar="N", type=_seed, help="random seed (0)")
     study.add_argument(

@@ -55,7 +55,13 @@ __all__ = [
 ]
 
 CHECKPOINTS_DIR = "checkpoints"
-QUICK_STUDY = {"n_controls": 50, "n_permutations": 20, "n_sequences": 8, "reservoir": 256}
+QUICK_STUDY = {
+    "n_controls": 50,
+    "n_permutations": 20,
+    "n_sequences": 8,
+    "batch_size": 4,
+    "reservoir": 256,
+}
 PROBE_OUTPUTS = ("results.csv", "results.json", "manifest.json", "report.html", "bases", "figures")
 MODEL_KINDS = {"decoder": "causal", "encoder": "masked"}
 SUMMARY_FILE = "summary.json"

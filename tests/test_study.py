@@ -151,6 +151,10 @@ def test_table_columns_windows_and_statistics(study):
     assert set(heads["rank"]) == {2}  # the smallest rank
     tt = heads[heads["statistic"] == "score_share_TT"]["value"]
     assert ((tt >= 0) & (tt <= 1)).all()
+    for term in ("TT", "TN", "NT", "NN"):  # every share with its null, at every checkpoint
+        for suffix in ("_null", "_null_std", "_z"):
+            rows = heads[heads["statistic"] == f"score_share_{term}{suffix}"]
+            assert set(rows["step"]) == set(STEPS) and rows["value"].notna().all()
     for step in STEPS:
         for layer, site in RES_SITES:
             here = dict(step=step, layer=layer, site=site)

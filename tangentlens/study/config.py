@@ -31,6 +31,7 @@ class StudyConfig:
     writes: bool = True  # attn_out / mlp_out activation Moments for the write ratios
     weight_gradient: bool = True  # Σ G Gᵀ of the maps reading attn_in / mlp_in (the paper's)
     head_sequences: int = 8  # probe sequences behind the per-head shares (0: no heads)
+    head_null: int = 4  # random normal frames behind each head share's null (0: no null)
     rank: int | tuple[int, ...] = 16
     window_fraction: float = 0.3
     windows: str = "step"  # "step": fraction of training steps; "index": of checkpoints
@@ -40,9 +41,9 @@ class StudyConfig:
     controls: str = "uniform"  # the controls behind the p-value the summary reads
     zeta: float = 0.1
     seed: int = 0
-    n_sequences: int = 32
+    n_sequences: int = 256  # 16,384 tokens at seq_len 64: stable bases, 32 sequences a group
     seq_len: int = 64
-    batch_size: int = 4
+    batch_size: int = 16
     n_groups: int = 8  # groups of probe batches for the jackknife intervals over tokens
     probe_fraction: float = 0.05
     corpus: str | None = None  # text file, folder of .txt, or None for the KJV
@@ -91,10 +92,11 @@ class StudyConfig:
         ranks = sorted({int(r) for r in ranks})
         self.rank = ranks[0] if len(ranks) == 1 else tuple(ranks)
         positive = ("n_controls", "n_sequences", "seq_len", "batch_size", "n_permutations")
-        if not is_int(self.head_sequences) or self.head_sequences < 0:
-            raise UsageError(
-                f"StudyConfig.head_sequences must be an int >= 0; got {self.head_sequences!r}."
-            )
+        for name in ("head_sequences", "head_null"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                raise UsageError(f"StudyConfig.{name} must be an int >= 0; got {value!r}.")
+            setattr(self, name, int(value))
         if not is_int(self.n_groups) or self.n_groups < 2:
             raise UsageError(f"StudyConfig.n_groups must be an int >= 2; got {self.n_groups!r}.")
         for name in positive:

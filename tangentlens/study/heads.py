@@ -1,5 +1,7 @@
 """Heads inside the study: per-head TT/TN/NT/NN/bias score shares and ``pattern_kl_TT``
-at every checkpoint, measured with the study's own ``attn_in`` bases (the smallest rank).
+at every checkpoint, measured with the study's own ``attn_in`` bases (the smallest rank),
+each share with its null (``head_null`` random normal frames of matched rank: rows
+``score_share_{t}_null``, ``_null_std``, ``_z``).
 
 The pass needs Q_T, which the analysis fits from the early window, so it runs after the
 analysis: one forward (no backward) per checkpoint over the first ``head_sequences``
@@ -45,7 +47,7 @@ def head_rows(
     for i, ckpt in enumerate(tqdm(list(series), desc="study: heads", disable=not progress)):
         with quiet_transformers():
             model = series.load(i, backend=cfg.backend).backend_model
-        table = run(model, batches, inputs, ("attention",), progress=False, head_null=0)
+        table = run(model, batches, inputs, ("attention",), progress=False, head_null=cfg.head_null)
         rows = table.results(progress=False)
         rows = rows[rows["probe"] == "attention"].assign(
             checkpoint=f"step{ckpt.step}", step=ckpt.step, window=window[ckpt.step], rank=rank
