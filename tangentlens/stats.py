@@ -362,6 +362,15 @@ class Moments:
         trace = torch.diagonal(self._scatter).sum(dtype=torch.float64)
         return float(trace / self._n + self._mean @ self._mean)
 
+    def identical(self, other: Moments) -> bool:
+        """Bit for bit the same state: the same stream, e.g. two names of one tensor
+        (a bridge's ``resid_post`` of layer l is ``resid_pre`` of layer l + 1)."""
+        if self._n != other._n or (self._mean is None) != (other._mean is None):
+            return False
+        return self._mean is None or (
+            torch.equal(self._mean, other._mean) and torch.equal(self._scatter, other._scatter)
+        )
+
     # -------------------------------------------------------------- state_dict
     def state_dict(self) -> dict[str, Tensor]:
         if self._mean is None:

@@ -56,6 +56,10 @@ def _check_orthonormal(q: Tensor, name: str = "q") -> Tensor:
     return q64
 
 
+def _cloned(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.clone()
+
+
 class TangentBasis:
     """An orthonormal basis Q_T of shape ``(d, k)`` with provenance.
 
@@ -133,6 +137,18 @@ class TangentBasis:
             total_variance=total,
             eigengap=_eigengap(float(evals[rank - 1]), float(evals[rank])),
             provenance=prov,
+        )
+
+    def relabelled(self, **provenance: Any) -> TangentBasis:
+        """A copy with ``provenance`` updated: a basis fitted on one tensor, recorded for
+        another name of that tensor (copies: a file holds each basis on its own)."""
+        return TangentBasis(
+            self.basis_.clone(),
+            explained_variance=_cloned(self.explained_variance_),
+            mean=_cloned(self.mean_),
+            total_variance=self.total_variance_,
+            eigengap=self.eigengap_,
+            provenance={**self.provenance, **provenance},
         )
 
     # ------------------------------------------------------------- geometry

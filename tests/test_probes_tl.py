@@ -309,6 +309,14 @@ def test_fit_bases_and_basis_set_round_trip(tmp_path, fitted: dict) -> None:
     assert list(loaded) == list(bases) and loaded.provenance == bases.provenance
     for name in bases:
         assert torch.equal(loaded[name].basis_, bases[name].basis_)
+    # resid_post[0] and resid_pre[1] are one tensor: fitted once, each with its own site
+    post, pre = bases["blocks.0.hook_resid_post"], bases["blocks.1.hook_resid_pre"]
+    assert torch.equal(post.basis_, pre.basis_)
+    assert post.provenance["site"] == "blocks.0.hook_resid_post"
+    assert pre.provenance["site"] == "blocks.1.hook_resid_pre"
+    assert post.provenance.get("split_half_overlap") == pre.provenance.get("split_half_overlap")
+    for name, basis in bases.items():  # every basis equals its own fit
+        assert torch.equal(basis.basis_, TangentBasis.fit(bases.moments[name], RANK).basis_)
     padded = padded_batch("llama")
     by_variance = fit_bases(
         tl_bridge("llama"),

@@ -271,3 +271,11 @@ def test_observations_get_float32_products_only_where_allowed():
     assert not torch.equal(fast[2], reference[2])  # float32 products: close, not equal
     torch.testing.assert_close(fast[2], reference[2], rtol=1e-5, atol=1e-5)
     assert ActivationProbe.float32_products and not GradientProbe.float32_products
+
+
+def test_identical_means_the_same_stream_bit_for_bit():
+    x = torch.randn(50, 8, dtype=torch.float64)
+    a, b = Moments().update(x), Moments().update(x)
+    assert a.identical(b) and Moments().identical(Moments())
+    assert not a.identical(Moments().update(x[:-1]))
+    assert not a.identical(Moments().update(x + 1e-12))

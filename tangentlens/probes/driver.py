@@ -307,17 +307,24 @@ def fit_bases(
         "library": f"tangentlens {__version__}",
         **(provenance or {}),
     }
-    bases = {}
+    bases: dict[Site, TangentBasis] = {}
     unstable = []
     for s, m in moments.items():
-        basis = TangentBasis.fit(
-            m, rank, variance=variance, provenance={"site": s.hook_name, **info}
-        )
-        if len(halves) > 1 and min(h[s].count for h in halves) >= 2:
-            split = split_half_overlap(halves[0][s], halves[1][s], basis.k)
-            basis.provenance["split_half_overlap"] = split
-            if near_chance(split, basis.k, basis.d):
-                unstable.append(f"{s.hook_name} ({split:.2f})")
+        # two names of one tensor (resid_post[l] is resid_pre[l + 1] on a bridge) have
+        # bit-identical statistics: fit once, relabel (the eigendecompositions dominate)
+        twin = next((t for t in bases if _same_tensor(t, s, moments, halves)), None)
+        if twin is not None:
+            basis = bases[twin].relabelled(site=s.hook_name)
+        else:
+            basis = TangentBasis.fit(
+                m, rank, variance=variance, provenance={"site": s.hook_name, **info}
+            )
+            if len(halves) > 1 and min(h[s].count for h in halves) >= 2:
+                split = split_half_overlap(halves[0][s], halves[1][s], basis.k)
+                basis.provenance["split_half_overlap"] = split
+        split = basis.provenance.get("split_half_overlap")
+        if split is not None and near_chance(split, basis.k, basis.d):
+            unstable.append(f"{s.hook_name} ({split:.2f})")
         bases[s] = basis
     if unstable:
         warnings.warn(
@@ -327,6 +334,15 @@ def fit_bases(
             stacklevel=2,
         )
     return BasisSet(bases, provenance=info, moments=moments)
+
+
+def _same_tensor(
+    a: Site, b: Site, moments: Mapping[Site, Moments], halves: list[Mapping[Site, Moments]]
+) -> bool:
+    """Whether sites ``a`` and ``b`` saw the same vectors, in both halves too."""
+    return moments[a].identical(moments[b]) and all(
+        a in h and b in h and h[a].identical(h[b]) for h in halves
+    )
 
 
 def _weight_hash(model: Any) -> str | None:
