@@ -23,6 +23,7 @@ FLOORS = {
     "stats": 2,
     "metrics": 2,
     "subspace": 2,
+    "controls": 2,
     "results": 2,
     "batches": 2,
     "significance": 3,
@@ -47,7 +48,15 @@ FLOORS = {
     "__main__": 9,
     "__init__": 10,
 }
-NUMERICAL_CORE = ("stats", "metrics", "subspace", "significance", "uncertainty", "decompose")
+NUMERICAL_CORE = (
+    "stats",
+    "metrics",
+    "subspace",
+    "controls",
+    "significance",
+    "uncertainty",
+    "decompose",
+)
 UPPER = ("probes", "study", "report", "cli", "workflows")
 
 

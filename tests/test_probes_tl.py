@@ -419,3 +419,28 @@ def test_head_null_rows_and_switch(fitted: dict) -> None:
     assert len(z) == 8 and z.notna().all()
     off = run(model, [tokens("gpt2")], bases, ("attention",), head_null=0, **OPTS).results()
     assert not off["statistic"].str.endswith(("_null", "_z")).any()
+
+
+def test_two_names_of_one_tensor_are_tested_once(fitted: dict, monkeypatch) -> None:
+    """resid_post[0] and resid_pre[1] hold the same gradients and basis: one test, the
+    same values under both names; resid_mid[1] is tested on its own."""
+    from tangentlens.probes import gradient
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    real = gradient.tangent_tests
+    monkeypatch.setattr(gradient, "tangent_tests", counted)
+    names = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_pre", "blocks.1.hook_resid_mid"]
+    batch = tokens("llama", 2, 12, seed=3)
+    frame = run(tl_bridge("llama"), [batch], fitted["llama"], ("gradient",), sites=names, **OPTS)
+    frame = frame.results()
+    assert len(calls) == 2
+    g = frame[frame.probe == "gradient"]
+    post = g[(g.site == "resid_post") & (g.layer == 0)].set_index("statistic")["value"]
+    pre = g[(g.site == "resid_pre") & (g.layer == 1)].set_index("statistic")["value"]
+    stats = ["tangent_share", "p_value", "p_value_normal", "delta_iso_normal", "isotropy_p_value"]
+    assert post[stats].tolist() == pre[stats].tolist()

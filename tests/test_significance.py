@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from tangentlens import controls as C
 from tangentlens import metrics as M
-from tangentlens import significance as S
 from tangentlens.errors import ExchangeabilityWarning, UsageError
 from tangentlens.significance import (
-    _ControlAlgebra,
     delta_iso_tangent,
     energy_ratio,
     energy_test,
@@ -33,29 +32,43 @@ def _grads(n, d, gen, scales=None):
     return g * scales if scales is not None else g
 
 
-def test_control_algebra_equals_explicit_projection():
-    """The Gram trick gives, frame by frame, what projecting onto the frames gives."""
+def _explicit_controls(site, frames):
+    """The controls `controls.SiteFrames` works with, as explicit (n, d, k) frames: uniform W F
+    and normal V B L⁻ᵀ (LLᵀ = BᵀB)."""
+    k, frames = site.k, frames.double()
+    uniform = torch.cat([site.q_t, site.v], 1) @ frames
+    b = frames[:, k:]
+    chol = torch.linalg.cholesky(b.mT @ b)
+    normal = site.v @ torch.linalg.solve_triangular(chol, b.mT, upper=False).mT
+    return uniform, normal
+
+
+def test_site_frames_equal_explicit_projection():
+    """The arrow algebra gives, frame by frame, what projecting onto the frames gives,
+    for uniform frames and for normal ones (orthonormal, in the complement of Q_T)."""
     gen = torch.Generator().manual_seed(0)
-    d, k = 12, 3
+    d, k, n = 14, 3, 9
     b = _basis(d, k, gen)
-    x = _grads(500, d, gen, torch.linspace(0.1, 2, d, dtype=torch.float64)) + 0.3
-    s = Moments().update(x).covariance(ddof=1)
-    frames = normal_controls(b, 7, seed=1)
-    alg = _ControlAlgebra(s, b.basis_, "normal", vectors=True)
-    c = complement(b)
-    _, u = torch.linalg.eigh((c.T @ s @ c + (c.T @ s @ c).T) / 2)
-    g = u.T @ (c.T @ frames)  # the same frames in the algebra's coordinates
-    squares = g.pow(2).sum(-1)
-    qsq = frames.transpose(1, 2) @ s @ frames
-    torch.testing.assert_close(alg.trace(squares), torch.diagonal(qsq, dim1=1, dim2=2).sum(1))
-    sq = s @ s
-    torch.testing.assert_close(
-        alg.trace_sq(squares, g),
-        torch.diagonal(frames.transpose(1, 2) @ sq @ frames, dim1=1, dim2=2).sum(1),
-    )
-    torch.testing.assert_close(alg.frob_sq(g), qsq.pow(2).sum((1, 2)))
-    values_only = _ControlAlgebra(s, b.basis_, "normal")  # eigenvalues suffice for traces
-    torch.testing.assert_close(values_only.trace(squares), alg.trace(squares))
+    x = _grads(300, d, gen, torch.linspace(0.1, 2, d, dtype=torch.float64)) + 0.4
+    m = Moments().update(x)
+    s, mu = m.covariance(), m.mean
+    site = C.SiteFrames(s, b.basis_, rank_one=mu)
+    draws = site.null(n, 5, normal=True, squares=True)
+    uniform, normal = _explicit_controls(site, C.control_frames(d, k, n, 5)[0])
+    eye = torch.eye(k, dtype=torch.float64).expand(n, k, k)
+    torch.testing.assert_close(normal.mT @ normal, eye)
+    torch.testing.assert_close(b.basis_.T @ normal, torch.zeros(n, k, k, dtype=torch.float64))
+    for suffix, f in (("", uniform), ("_normal", normal)):
+        fsf = f.mT @ s @ f
+        expected = {
+            "tr": fsf.diagonal(dim1=1, dim2=2).sum(1),
+            "tr2": (f.mT @ s @ s @ f).diagonal(dim1=1, dim2=2).sum(1),
+            "frob": fsf.pow(2).sum((1, 2)),
+            "m": (f.mT @ mu).pow(2).sum(1),
+        }
+        for key, value in expected.items():
+            # float32 traces (controls.NULL_DTYPE)
+            torch.testing.assert_close(draws[key + suffix], value, rtol=2e-6, atol=1e-6)
 
 
 def test_isotropy_test_matches_brute_force_isoscore_star():
@@ -242,19 +255,22 @@ def test_tangent_tests_reports_both_kinds_of_controls():
 def test_control_frames_are_drawn_once_and_reused_across_sites():
     gen = torch.Generator().manual_seed(10)
     d, k = 32, 4
-    frames, squares = S._control_frames(d, k, 300, 11)
-    assert S._control_frames(d, k, 300, 11)[0] is frames
-    torch.testing.assert_close(squares, frames.double().pow(2).sum(-1))
+    frames, squares = C.control_frames(d, k, 300, 11)
+    assert C.control_frames(d, k, 300, 11)[0] is frames
+    torch.testing.assert_close(squares, frames.pow(2).sum(-1))
     eye = torch.eye(k, dtype=torch.float64).expand(300, k, k)
     torch.testing.assert_close(frames.double().mT @ frames.double(), eye, atol=1e-6, rtol=0)
     # two sites, one draw: each site's null is its own matrix over the same frames
     for _ in range(2):
         m = Moments().update(_grads(200, d, gen, torch.rand(d, generator=gen) + 0.1))
-        r = energy_test(m, _basis(d, k, gen), n_controls=300, seed=11)
-        alg = _ControlAlgebra(m.second_moment(), r.null_shares.new_zeros(d, k), "uniform")
-        expected = alg.trace(squares) / float(torch.trace(m.second_moment()))
-        torch.testing.assert_close(r.null_shares, expected)
-    cache = S._FrameCache(max_bytes=2 * (10 * 8 * 2 * 8 + 10 * 8 * 8))  # two (10, 8, 2) sets
+        b = _basis(d, k, gen)
+        r = energy_test(m, b, n_controls=300, seed=11)
+        site = C.SiteFrames(m.covariance(), b.basis_, rank_one=m.mean)
+        uniform, _ = _explicit_controls(site, frames)
+        h = m.second_moment()
+        expected = (uniform.mT @ h @ uniform).diagonal(dim1=1, dim2=2).sum(1) / torch.trace(h)
+        torch.testing.assert_close(r.null_shares, expected, rtol=2e-6, atol=1e-7)
+    cache = C.FrameCache(max_bytes=2 * (10 * 8 * 2 * 4 + 10 * 8 * 4))  # two float32 (10, 8, 2) sets
     a = cache(8, 2, 10, 0)
     cache(8, 2, 10, 1)
     assert cache(8, 2, 10, 0) is a  # a hit refreshes the entry...

@@ -119,16 +119,23 @@ class GradientProbe(Probe):
     def rows(self) -> list[dict[str, Any]]:
         out = []
         acts = self.moments("act")
+        tested: list[tuple[Moments, TangentBasis, Moments | None, dict[str, float]]] = []
         for site, grads in sites_bar(self.moments("grad").items(), self):
             if grads.count == 0:
                 continue
-            values = tangent_tests(
-                grads,
-                self.bases[site],
-                n_controls=self.n_controls,
-                seed=self.seed,
-                activation_moments=acts[site] if site in acts and acts[site].count else None,
-            )
+            basis = self.bases[site]
+            act = acts[site] if site in acts and acts[site].count else None
+            values = _tested(tested, grads, basis, act)
+            if values is None:
+                values = tangent_tests(
+                    grads,
+                    basis,
+                    n_controls=self.n_controls,
+                    seed=self.seed,
+                    activation_moments=act,
+                )
+                tested.append((grads, basis, act, values))
+            values = dict(values)
             if not acts:  # compact: the activations' share from the group sums
                 tangent, total = self.state(f"groups/{site.hook_name}").value[:, 2:].sum(0).tolist()
                 act = self._ratio(site, tangent, total)
@@ -150,3 +157,19 @@ class GradientProbe(Probe):
             return {}
         basis = self.bases[site]
         return share_intervals(seen[:, :2], k=basis.k, d=basis.d, activation_sums=seen[:, 2:])
+
+
+def _tested(
+    tested: list[tuple[Moments, TangentBasis, Moments | None, dict[str, float]]],
+    grads: Moments,
+    basis: TangentBasis,
+    act: Moments | None,
+) -> dict[str, float] | None:
+    """The tests of an earlier site with the same state, bit for bit: two names of one
+    tensor (``resid_post`` of layer l is ``resid_pre`` of l + 1, with the basis
+    `fit_bases` relabels) are tested once."""
+    for g, b, a, values in tested:
+        same_act = (a is None) == (act is None) and (a is None or a.identical(act))
+        if same_act and g.identical(grads) and torch.equal(b.basis_, basis.basis_):
+            return values
+    return None
