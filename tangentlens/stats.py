@@ -154,7 +154,9 @@ class SharedBatch:
         self._stats: tuple[int, Tensor, Tensor] | None = None
 
     @staticmethod
-    def _key_of(t: Tensor | None) -> tuple | None:
+    def key_of(t: Tensor | None) -> tuple | None:
+        """Identity of a tensor's contents while a reference to it is held: address,
+        layout, dtype, device and in-place version."""
         if t is None:
             return None
         return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
@@ -162,7 +164,7 @@ class SharedBatch:
     def __call__(
         self, x: Tensor, mask: Tensor | None = None, *, fast: bool = False
     ) -> tuple[int, Tensor, Tensor]:
-        key = (self._key_of(x), self._key_of(mask), fast)
+        key = (self.key_of(x), self.key_of(mask), fast)
         if self._stats is None or key != self._key:
             self._stats = batch_statistics(x, mask, fast=fast)
             # detached: the same storage keeps the key valid, without keeping a graph alive

@@ -422,23 +422,28 @@ def test_head_null_rows_and_switch(fitted: dict) -> None:
 
 
 def test_two_names_of_one_tensor_are_tested_once(fitted: dict, monkeypatch) -> None:
-    """resid_post[0] and resid_pre[1] hold the same gradients and basis: one test, the
-    same values under both names; resid_mid[1] is tested on its own."""
+    """resid_post[0] and resid_pre[1] hold the same activations, gradients and basis: one
+    batch product per pass forward and backward, one test, the same values under both
+    names; resid_mid[1] is measured on its own."""
+    from tangentlens import stats
     from tangentlens.probes import gradient
 
-    calls = []
+    calls = {"tests": 0, "products": 0}
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
 
-    real = gradient.tangent_tests
-    monkeypatch.setattr(gradient, "tangent_tests", counted)
+        return call
+
+    monkeypatch.setattr(gradient, "tangent_tests", counted("tests", gradient.tangent_tests))
+    monkeypatch.setattr(stats, "batch_statistics", counted("products", stats.batch_statistics))
     names = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_pre", "blocks.1.hook_resid_mid"]
     batch = tokens("llama", 2, 12, seed=3)
-    frame = run(tl_bridge("llama"), [batch], fitted["llama"], ("gradient",), sites=names, **OPTS)
-    frame = frame.results()
-    assert len(calls) == 2
+    session = run(tl_bridge("llama"), [batch], fitted["llama"], ("gradient",), sites=names, **OPTS)
+    frame = session.results()
+    assert calls == {"tests": 2, "products": 4}  # 2 tensors forward, 2 backward
     g = frame[frame.probe == "gradient"]
     post = g[(g.site == "resid_post") & (g.layer == 0)].set_index("statistic")["value"]
     pre = g[(g.site == "resid_pre") & (g.layer == 1)].set_index("statistic")["value"]

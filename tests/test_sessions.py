@@ -41,8 +41,12 @@ def test_tags_split_a_training_loop_by_step(setup, one_thread) -> None:
     want = want[(want["probe"] != "basis") & ~want["statistic"].str.contains("p_value")]
     want = want.set_index(key)["value"]
     got = one[one["probe"] != "basis"].set_index(key)["value"]
-    # the same statistics (a mean loss here, a summed one in run: float32 rounding only)
-    assert ((got.loc[want.index] - want).abs() <= 1e-5 * want.abs() + 1e-9).all()
+    # the same statistics (a mean loss here, a summed one in run: float32 rounding only);
+    # means over the controls (float32 traces) agree to 1e-8 absolute, far inside their
+    # Monte-Carlo error, not relative to an iso_statistic near 0
+    mc = want.index.get_level_values("statistic").isin(["iso_statistic", "delta_iso_normal"])
+    tol = 1e-5 * want.abs() + 1e-9 + mc * 1e-8
+    assert ((got.loc[want.index] - want).abs() <= tol).all()
     final = session.results(tag="final")
     assert final.loc[final["statistic"] == "n_tokens", "value"].notna().all()
     session.reset()

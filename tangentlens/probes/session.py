@@ -135,6 +135,7 @@ class ProbeSession:
         self._passes = -1  # forward passes seen
         self._group = 0  # the group of the current pass's sequences (for intervals)
         self._cache = SharedBatch()
+        self._last_mask: tuple[tuple, tuple[Tensor, Tensor | None], Tensor] | None = None
         self._active = False
         self._seen = {"forward": 0, "backward": 0}
         self._hooks_lost = False
@@ -394,15 +395,26 @@ class ProbeSession:
                     f"cannot pair the gradient at {site} {tuple(grad.shape)} with its forward "
                     f"mask {tuple(mask.shape)}; run one backward per forward pass."
                 )
-            # positions whose gradient is exactly zero by construction (the last position
-            # under the next-token loss) carry no gradient: they leave the statistics
-            nonzero = grad.detach().ne(0).any(-1)
-            mask = nonzero if mask is None else mask.to(nonzero.device) & nonzero
+            mask = self._gradient_mask(grad, mask)
             obs = Observation(site, grad, mask, self._cache, group)  # float64 products
             for reader in readers:
                 reader.update_gradient(obs)
 
         return hook
+
+    def _gradient_mask(self, grad: Tensor, mask: Tensor | None) -> Tensor:
+        """The forward ``mask`` without positions whose gradient is exactly zero by
+        construction (the last position under the next-token loss): they carry no
+        gradient. The same object for the same gradient (two names of one tensor, such as
+        resid_post[l] and resid_pre[l + 1], are hooked one after the other), so the
+        shared batch statistics are computed once."""
+        key = (SharedBatch.key_of(grad), SharedBatch.key_of(mask))
+        if self._last_mask is not None and self._last_mask[0] == key:
+            return self._last_mask[2]
+        nonzero = grad.detach().ne(0).any(-1)
+        out = nonzero if mask is None else mask.to(nonzero.device) & nonzero
+        self._last_mask = (key, (grad.detach(), mask), out)  # held: the key stays valid
+        return out
 
     # .................................................................. results
     @property
