@@ -422,9 +422,9 @@ def test_head_null_rows_and_switch(fitted: dict) -> None:
 
 
 def test_two_names_of_one_tensor_are_tested_once(fitted: dict, monkeypatch) -> None:
-    """resid_post[0] and resid_pre[1] hold the same activations, gradients and basis: one
-    batch product per pass forward and backward, one test, the same values under both
-    names; resid_mid[1] is measured on its own."""
+    """resid_post[0] and resid_pre[1] hold the same gradients and basis: one batch product
+    per backward pass, one test, the same values under both names; resid_mid[1] is
+    measured on its own (the gradient probe forms no activation product)."""
     from tangentlens import stats
     from tangentlens.probes import gradient
 
@@ -443,7 +443,7 @@ def test_two_names_of_one_tensor_are_tested_once(fitted: dict, monkeypatch) -> N
     batch = tokens("llama", 2, 12, seed=3)
     session = run(tl_bridge("llama"), [batch], fitted["llama"], ("gradient",), sites=names, **OPTS)
     frame = session.results()
-    assert calls == {"tests": 2, "products": 4}  # 2 tensors forward, 2 backward
+    assert calls == {"tests": 2, "products": 2}
     g = frame[frame.probe == "gradient"]
     post = g[(g.site == "resid_post") & (g.layer == 0)].set_index("statistic")["value"]
     pre = g[(g.site == "resid_pre") & (g.layer == 1)].set_index("statistic")["value"]

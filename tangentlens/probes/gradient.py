@@ -8,8 +8,8 @@ matched-rank controls cost matrix algebra, not another pass:
   ``energy_ratio`` (tangent share over the exact mean share of matched-rank normal
   controls), ``p_value`` (uniform controls with at least that share, add-one),
   ``p_value_normal`` (the paper's complement controls), ``normalized_ratio`` (energy
-  ratio divided by Q_T's own activation-energy ratio, from the activation Moments
-  this probe also collects at the site: the activations whose gradients are tested);
+  ratio divided by Q_T's own activation-energy ratio E‖xQ_T‖²/E‖x‖², from energy sums
+  of the activations whose gradients are tested);
 - from `isotropy_test`: ``delta_iso_tangent`` and ``delta_iso_normal`` (change of
   IsoScore* when Q_T, or a normal control, is projected out) and ``isotropy_p_value``.
 
@@ -19,10 +19,11 @@ over ``n_groups`` groups of whole sequences (forward pass i goes to group i mod 
 site and group it keeps four float64 sums, Σ‖gQ_T‖², Σ‖g‖² and the same of the
 activations: 4·G floats, whatever d. With fewer than two groups seen the interval is NaN.
 
-Memory per site: ``memory="full"`` keeps the gradient and the activation `Moments`,
-2·(8d² + 8d) bytes; ``"compact"`` keeps the gradient's only, in float32 (4d² + 8d), and
-takes the activations' share for ``normalized_ratio`` from the group sums (the same
-ratio of sums, E‖xQ_T‖²/E‖x‖²); `moments("act")` is then empty.
+Memory per site: the gradient `Moments`, float64 (``memory="full"``, 8d² + 8d bytes) or
+float32 (``"compact"``, 4d² + 8d), and the group sums. The activations need no d × d
+state: their share for ``normalized_ratio`` is the ratio of the group sums (an
+activation `Moments` per site cost a float64 batch product per site and pass; the
+``activation`` probe collects them where they are wanted).
 
 ``energy_amplification`` (energy_ratio[l] / energy_ratio[p], p the previous probed layer
 of the site kind) comes with a joint jackknife over the same groups
@@ -79,8 +80,6 @@ class GradientProbe(Probe):
         self.n_groups = check_int(n_groups, "n_groups", minimum=2)
         self.memory = memory
         for site in self.bases:
-            if memory == "full":
-                self.add_state(f"act/{site.hook_name}", Moments)
             self.add_state(f"grad/{site.hook_name}", lambda: Moments(dtype=dtype))
             # per group: gradient (tangent, total) energy, then the activations'
             self.add_state(f"groups/{site.hook_name}", lambda: Sum((self.n_groups, 4)))
@@ -94,8 +93,6 @@ class GradientProbe(Probe):
         return list(self.bases)
 
     def update(self, obs: Observation) -> None:
-        if self.memory == "full":
-            self.state(f"act/{obs.site.hook_name}").add_batch(*obs.statistics())
         self._add_group(obs, 2)
 
     def update_gradient(self, obs: Observation) -> None:
@@ -109,37 +106,26 @@ class GradientProbe(Probe):
         update[obs.group % self.n_groups, column : column + 2] = torch.stack([tangent, total])
         sums.add(update)
 
-    def moments(self, kind: str = "grad") -> dict[Site, Moments]:
-        """Site → `Moments` of the gradients (``kind="grad"``) or activations (``"act"``;
-        none under ``memory="compact"``)."""
-        if kind == "act" and self.memory != "full":
-            return {}
-        return {s: self.state(f"{kind}/{s.hook_name}") for s in self.bases}
+    def moments(self) -> dict[Site, Moments]:
+        """Site → `Moments` of the gradients."""
+        return {s: self.state(f"grad/{s.hook_name}") for s in self.bases}
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
-        acts = self.moments("act")
-        tested: list[tuple[Moments, TangentBasis, Moments | None, dict[str, float]]] = []
-        for site, grads in sites_bar(self.moments("grad").items(), self):
+        tested: list[tuple[Moments, TangentBasis, dict[str, float]]] = []
+        for site, grads in sites_bar(self.moments().items(), self):
             if grads.count == 0:
                 continue
             basis = self.bases[site]
-            act = acts[site] if site in acts and acts[site].count else None
-            values = _tested(tested, grads, basis, act)
+            values = _tested(tested, grads, basis)
             if values is None:
-                values = tangent_tests(
-                    grads,
-                    basis,
-                    n_controls=self.n_controls,
-                    seed=self.seed,
-                    activation_moments=act,
-                )
-                tested.append((grads, basis, act, values))
+                values = tangent_tests(grads, basis, n_controls=self.n_controls, seed=self.seed)
+                tested.append((grads, basis, values))
             values = dict(values)
-            if not acts:  # compact: the activations' share from the group sums
-                tangent, total = self.state(f"groups/{site.hook_name}").value[:, 2:].sum(0).tolist()
-                act = self._ratio(site, tangent, total)
-                values["normalized_ratio"] = values["energy_ratio"] / act if act > 0 else math.nan
+            # the activations' share from the group sums
+            tangent, total = self.state(f"groups/{site.hook_name}").value[:, 2:].sum(0).tolist()
+            act = self._ratio(site, tangent, total)
+            values["normalized_ratio"] = values["energy_ratio"] / act if act > 0 else math.nan
             values["n_tokens"] = float(grads.count)
             cis = self._intervals(site)
             out += [row(self.name, site, k, v, **ci_columns(cis.get(k))) for k, v in values.items()]
@@ -160,16 +146,14 @@ class GradientProbe(Probe):
 
 
 def _tested(
-    tested: list[tuple[Moments, TangentBasis, Moments | None, dict[str, float]]],
+    tested: list[tuple[Moments, TangentBasis, dict[str, float]]],
     grads: Moments,
     basis: TangentBasis,
-    act: Moments | None,
 ) -> dict[str, float] | None:
-    """The tests of an earlier site with the same state, bit for bit: two names of one
-    tensor (``resid_post`` of layer l is ``resid_pre`` of l + 1, with the basis
-    `fit_bases` relabels) are tested once."""
-    for g, b, a, values in tested:
-        same_act = (a is None) == (act is None) and (a is None or a.identical(act))
-        if same_act and g.identical(grads) and torch.equal(b.basis_, basis.basis_):
+    """The tests of an earlier site with the same gradients and basis, bit for bit: two
+    names of one tensor (``resid_post`` of layer l is ``resid_pre`` of l + 1, with the
+    basis `fit_bases` relabels) are tested once."""
+    for g, b, values in tested:
+        if g.identical(grads) and torch.equal(b.basis_, basis.basis_):
             return values
     return None

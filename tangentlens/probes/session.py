@@ -419,11 +419,8 @@ class ProbeSession:
     # .................................................................. results
     @property
     def activation_moments(self) -> dict[str, Moments]:
-        """Canonical hook name → activation `Moments` (activation probe, else the
-        activations the gradient probe collects)."""
+        """Canonical hook name → activation `Moments` (of the activation probe)."""
         source = self.activation.moments if self.activation else {}
-        if not source and self.gradient is not None:
-            source = self.gradient.moments("act")
         return {s.hook_name: m for s, m in source.items()}
 
     @property
