@@ -13,6 +13,7 @@ cached (`control_frames`).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -62,19 +63,26 @@ class FrameCache:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
+        self._lock = threading.Lock()
         self._frames: OrderedDict[tuple[int, int, int, int], tuple[Tensor, Tensor]] = OrderedDict()
 
     def __call__(self, dim: int, k: int, n: int, seed: int) -> tuple[Tensor, Tensor]:
-        key = (dim, k, n, seed)
+        with self._lock:  # sites are tested side by side (`compute.site_map`)
+            return self._get((dim, k, n, seed))
+
+    def _get(self, key: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
         if key in self._frames:
             self._frames.move_to_end(key)
             return self._frames[key]
         frames = draw_frames(*key)
-        squares = frames.pow(2).sum(-1)
-        self._frames[key] = (frames, squares)
-        while sum(f.nbytes + q.nbytes for f, q in self._frames.values()) > self.max_bytes:
+        entry = self._frames[key] = (frames, frames.pow(2).sum(-1))
+        # the oldest go first; the newest stays even when it alone is over budget
+        while len(self._frames) > 1 and self._bytes() > self.max_bytes:
             self._frames.popitem(last=False)
-        return self._frames[key]
+        return entry
+
+    def _bytes(self) -> int:
+        return sum(f.nbytes + q.nbytes for f, q in self._frames.values())
 
 
 control_frames = FrameCache(CACHE_BYTES)

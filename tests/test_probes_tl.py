@@ -449,3 +449,15 @@ def test_two_names_of_one_tensor_are_tested_once(fitted: dict, monkeypatch) -> N
     pre = g[(g.site == "resid_pre") & (g.layer == 1)].set_index("statistic")["value"]
     stats = ["tangent_share", "p_value", "p_value_normal", "delta_iso_normal", "isotropy_p_value"]
     assert post[stats].tolist() == pre[stats].tolist()
+
+
+def test_sites_tested_side_by_side_equal_one_after_another(fitted: dict) -> None:
+    """Two workers of one thread (`compute.site_map`) give the table one thread gives."""
+    batch = tokens("llama", 2, 12, seed=4)
+    session = run(tl_bridge("llama"), [batch], fitted["llama"], ("gradient",), **OPTS)
+    tables = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        tables.append(session.results().set_index(["hook", "statistic"])["value"])
+    torch.set_num_threads(1)
+    pd.testing.assert_series_equal(tables[0], tables[1], rtol=0, atol=0)

@@ -265,9 +265,15 @@ class Probe:
         return f"{type(self).__name__}({len(sites)} sites)"
 
 
-def sites_bar(items: Iterable[T], probe: Probe) -> Iterable[T]:
+def sites_bar(items: Iterable[T], probe: Probe, total: int | None = None) -> Iterable[T]:
     """``items`` behind a progress bar named after ``probe``, shown only when the loop
-    takes more than two seconds (and ``probe.progress`` is on)."""
+    takes more than two seconds (and ``probe.progress`` is on); ``total`` for an
+    iterator (else the items are listed first)."""
     return tqdm(
-        list(items), desc=f"{probe.name} tests", delay=2.0, disable=not probe.progress, leave=False
+        list(items) if total is None else items,
+        total=total,
+        desc=f"{probe.name} tests",
+        delay=2.0,
+        disable=not probe.progress,
+        leave=False,
     )

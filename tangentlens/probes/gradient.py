@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ..compute import site_map
 from ..errors import UsageError
 from ..hooks.sites import RESIDUAL_KINDS, Site
 from ..significance import energy_ratio, tangent_tests
@@ -112,16 +113,26 @@ class GradientProbe(Probe):
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
-        tested: list[tuple[Moments, TangentBasis, dict[str, float]]] = []
-        for site, grads in sites_bar(self.moments().items(), self):
-            if grads.count == 0:
-                continue
-            basis = self.bases[site]
-            values = _tested(tested, grads, basis)
-            if values is None:
-                values = tangent_tests(grads, basis, n_controls=self.n_controls, seed=self.seed)
-                tested.append((grads, basis, values))
-            values = dict(values)
+        sites = [(s, g) for s, g in self.moments().items() if g.count]
+        # two names of one tensor are tested once; distinct sites side by side
+        first = [_first_identical(sites, i, self.bases) for i in range(len(sites))]
+        unique = [sites[i] for i in sorted(set(first))]
+
+        def test(item: tuple[Site, Moments]) -> dict[str, float]:
+            site, grads = item
+            return tangent_tests(
+                grads, self.bases[site], n_controls=self.n_controls, seed=self.seed
+            )
+
+        tested = dict(
+            zip(
+                (s for s, _ in unique),
+                sites_bar(site_map(test, unique), self, len(unique)),
+                strict=True,
+            )
+        )
+        for (site, grads), j in zip(sites, first, strict=True):
+            values = dict(tested[sites[j][0]])
             # the activations' share from the group sums
             tangent, total = self.state(f"groups/{site.hook_name}").value[:, 2:].sum(0).tolist()
             act = self._ratio(site, tangent, total)
@@ -145,15 +156,14 @@ class GradientProbe(Probe):
         return share_intervals(seen[:, :2], k=basis.k, d=basis.d, activation_sums=seen[:, 2:])
 
 
-def _tested(
-    tested: list[tuple[Moments, TangentBasis, dict[str, float]]],
-    grads: Moments,
-    basis: TangentBasis,
-) -> dict[str, float] | None:
-    """The tests of an earlier site with the same gradients and basis, bit for bit: two
-    names of one tensor (``resid_post`` of layer l is ``resid_pre`` of l + 1, with the
-    basis `fit_bases` relabels) are tested once."""
-    for g, b, values in tested:
-        if g.identical(grads) and torch.equal(b.basis_, basis.basis_):
-            return values
-    return None
+def _first_identical(
+    sites: list[tuple[Site, Moments]], i: int, bases: Mapping[Site, TangentBasis]
+) -> int:
+    """The first index whose gradients and basis equal site i's bit for bit: two names of
+    one tensor (``resid_post`` of layer l is ``resid_pre`` of l + 1, with the basis
+    `fit_bases` relabels)."""
+    site, grads = sites[i]
+    for j, (other, g) in enumerate(sites[:i]):
+        if g.identical(grads) and torch.equal(bases[other].basis_, bases[site].basis_):
+            return j
+    return i
