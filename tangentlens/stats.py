@@ -237,6 +237,11 @@ class Moments:
         n = n_a + n_b
         if n == 0:
             return
+        if n_a == 0:  # the formula below with n_a = 0, bit for bit, without its d² work
+            self._mean.copy_(mean_b)
+            self._scatter.copy_(scatter_b)
+            self._n = n
+            return
         delta = mean_b - self._mean
         self._mean += delta * (n_b / n)
         self._scatter += (scatter_b + torch.outer(delta, delta) * (n_a * n_b / n)).to(self.dtype)

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import scipy.linalg
 import torch
 from torch import Tensor
 
@@ -54,6 +55,25 @@ def _check_orthonormal(q: Tensor, name: str = "q") -> Tensor:
             "orthonormalise it first, e.g. torch.linalg.qr(q).Q."
         )
     return q64
+
+
+def _top_eigh(cov: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """The ``n`` largest eigenvalues of the symmetric ``cov``, descending, and their
+    eigenvectors; ``cov`` is overwritten. On the CPU only those ``n`` pairs are computed
+    (LAPACK's MRRR, ``syevr``): about half the time of a full ``eigh`` at d = 576, the
+    tridiagonal reduction being all that is left, and `fit_bases` runs three per site."""
+    if cov.device.type != "cpu":
+        evals, evecs = torch.linalg.eigh(cov)
+        return evals.flip(0)[:n], evecs.flip(1)[:, :n]
+    d = cov.shape[0]
+    evals, evecs = scipy.linalg.eigh(
+        cov.numpy().T,  # the same symmetric matrix, in LAPACK's column order: no copy
+        subset_by_index=[d - n, d - 1],
+        driver="evr",
+        overwrite_a=True,
+        check_finite=False,
+    )
+    return torch.from_numpy(evals[::-1].copy()), torch.from_numpy(evecs[:, ::-1].copy())
 
 
 def _cloned(t: Tensor | None) -> Tensor | None:
@@ -100,7 +120,8 @@ class TangentBasis:
         provenance: dict[str, Any] | None = None,
     ) -> TangentBasis:
         """Centred PCA of ``moments``: the top ``rank`` eigenvectors of the covariance,
-        or the fewest that explain a ``variance`` fraction of it."""
+        or the fewest that explain a ``variance`` fraction of it (which needs the whole
+        spectrum; ``rank=`` computes only the top rank + 1 eigenpairs on the CPU)."""
         if not isinstance(moments, Moments):
             raise TypeError(f"moments must be a Moments; got {type(moments).__name__}.")
         if (rank is None) == (variance is None):
@@ -113,18 +134,24 @@ class TangentBasis:
             )
         cov = moments.covariance()
         d = cov.shape[0]
-        evals, evecs = torch.linalg.eigh(cov)
-        evals, evecs = evals.flip(0).clamp_min(0), evecs.flip(1)
-        total = float(evals.sum())
         if rank is None:
             if not 0 < variance <= 1:
                 raise UsageError(f"variance must be in (0, 1]; got {variance}.")
+            evals, evecs = torch.linalg.eigh(cov)
+            evals, evecs = evals.flip(0).clamp_min(0), evecs.flip(1)
+            total = float(evals.sum())
             if total <= 0:
                 raise UsageError("the activations have zero variance; no subspace to fit.")
             cum = torch.cumsum(evals, 0) / total
             rank = int(torch.searchsorted(cum, torch.tensor(variance, dtype=cum.dtype)).item()) + 1
-            rank = min(rank, d - 1)
-        rank = check_rank(rank, d)
+            rank = check_rank(min(rank, d - 1), d)
+        else:
+            rank = check_rank(rank, d)
+            # Σλ is the trace, up to the rounding-level negative eigenvalues a full
+            # decomposition would clamp; read before `_top_eigh` overwrites ``cov``
+            total = max(float(torch.trace(cov)), 0.0)
+            evals, evecs = _top_eigh(cov, rank + 1)
+            evals = evals.clamp_min(0)
         q = evecs[:, :rank]
         # Deterministic signs: the largest-magnitude entry of each column is positive.
         pivots = q[q.abs().argmax(0), torch.arange(rank)]

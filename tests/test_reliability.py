@@ -5,6 +5,7 @@ the machine (file too large, disk full, a killed parent) leave work that resumes
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import pickle
@@ -853,3 +854,22 @@ def test_report_out_is_a_file_and_its_own_report_is_rewritten(
     assert target.is_file() and (tmp_path / "pages" / "figures").is_dir()
     assert main(["report", str(world / "study"), "--out", str(target)]) == 0  # its own: rewritten
     assert "report:" in capsys.readouterr().out
+
+
+def test_tensor_hash_is_sha256_of_names_dtypes_shapes_and_bytes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        "w": torch.randn(5, 3, generator=gen).T,  # not contiguous
+        "b": torch.randn(4, generator=gen).to(torch.bfloat16),
+        "empty": torch.zeros(0, 2),
+        "step": torch.tensor(7),
+    }
+    reference = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].contiguous()
+        reference.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        reference.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    assert files.tensor_hash(state) == reference.hexdigest()
+    assert files.tensor_hash(dict(reversed(state.items()))) == reference.hexdigest()
+    state["w"][0, 0] += 1
+    assert files.tensor_hash(state) != reference.hexdigest()

@@ -279,3 +279,14 @@ def test_identical_means_the_same_stream_bit_for_bit():
     assert a.identical(b) and Moments().identical(Moments())
     assert not a.identical(Moments().update(x[:-1]))
     assert not a.identical(Moments().update(x + 1e-12))
+
+
+def test_first_batch_and_merge_into_empty_are_taken_bit_for_bit():
+    x = torch.randn(50, 8, dtype=torch.float64) * 3 + 1e3
+    n, mean, scatter = batch_statistics(x)
+    first = Moments().add_batch(n, mean, scatter)
+    assert first.count == n and torch.equal(first.mean, mean)
+    assert torch.equal(first.covariance(), scatter / n)
+    assert Moments().merge(first).identical(first) and (Moments() + first).identical(first)
+    compact = Moments(dtype=torch.float32).merge(first)
+    assert torch.equal(compact.covariance(), scatter.float().double() / n)

@@ -129,6 +129,28 @@ def test_fit_records_the_eigengap():
     assert _random_basis(6, 2).eigengap_ is None
 
 
+@pytest.mark.parametrize("d", [2, 9, 40])
+def test_fit_by_rank_matches_the_full_eigendecomposition(d):
+    # rank= computes only the top rank + 1 eigenpairs: the same numbers as a full eigh
+    gen = torch.Generator().manual_seed(d)
+    spread = torch.logspace(1, -1, d, dtype=torch.float64)
+    m = Moments().update(torch.randn(300, d, generator=gen, dtype=torch.float64) * spread + 3)
+    evals, evecs = torch.linalg.eigh(m.covariance())
+    evals, evecs = evals.flip(0).clamp_min(0), evecs.flip(1)
+    for k in range(1, d):
+        b = TangentBasis.fit(m, rank=k)
+        q = evecs[:, :k]
+        torch.testing.assert_close(b.projector(), q @ q.T, rtol=0, atol=1e-11)
+        # eigenvalues to rounding relative to the largest, whatever the algorithm
+        top = float(evals[0])
+        torch.testing.assert_close(b.explained_variance_, evals[:k], rtol=0, atol=1e-14 * top)
+        assert b.total_variance_ == pytest.approx(float(evals.sum()), rel=1e-12)
+        assert b.eigengap_ == pytest.approx(float(evals[k - 1] / evals[k]), rel=1e-10)
+        pivots = b.basis_.gather(0, b.basis_.abs().argmax(0, keepdim=True))
+        assert bool((pivots > 0).all())  # the sign convention
+        assert torch.equal(b.basis_, TangentBasis.fit(m, rank=k).basis_)  # deterministic
+
+
 def test_tangent_share_is_the_trace_ratio():
     gen = torch.Generator().manual_seed(3)
     d, k = 10, 3
