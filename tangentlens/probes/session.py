@@ -481,7 +481,9 @@ class ProbeSession:
         self._check_seen()
         for p in self.probes.values():
             p.progress = progress
-        current = self._state()
+        # the live statistics are read in place; other tags' are loaded in turn (a copy
+        # of the live ones comes back after)
+        current = self._state() if self._saved else None
         tags = {**self._saved, self._tag: current}
         rows: list[dict[str, Any]] = []
         try:
@@ -489,11 +491,13 @@ class ProbeSession:
                 for (label, at), state in tags.items():
                     if (tag is not None and label != tag) or (step is not None and at != step):
                         continue
-                    self._load(state)
+                    if state is not None:
+                        self._load(state)
                     extra = {k: v for k, v in (("tag", label), ("step", at)) if v is not None}
                     rows += [{**r, **extra} for p in self.probes.values() for r in p.rows()]
         finally:
-            self._load(current)
+            if current is not None:
+                self._load(current)
         return frame(rows + self._basis_rows())
 
     def _check_seen(self) -> None:
