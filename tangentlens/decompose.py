@@ -7,7 +7,9 @@ W_Q/W_K), x = x_T + x_N exactly, and since projections and rotary are linear,
 
 where TT = (R q_T)·(R k_T)·scale with q_T = x_T W_Q, and so on, and ``bias`` gathers
 every term that involves b_Q or b_K. ``s`` is the pre-mask scaled score the model
-softmaxes (grouped-query heads repeated as the model repeats them).
+softmaxes (grouped-query heads repeated as the model repeats them). `ScoreSplit` maps the
+full queries and keys once and each basis's tangent ones as (x Q)(Qᵀ W_Q), a rank-k
+product; the normal parts are the differences, so many bases cost little more than one.
 
 A pre-attention norm can be made linear by freezing its scale at the value on the
 full input (`linearize_norm`), so a basis fitted on the residual stream splits the
@@ -33,7 +35,7 @@ mean share k/d exactly and a closed-form spread (`random_share_std`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -47,10 +49,13 @@ __all__ = [
     "TERMS",
     "AttentionParams",
     "NormParams",
+    "Parts",
     "RotaryFn",
+    "ScoreSplit",
     "decompose_parts",
     "decompose_scores",
     "head_write_energies",
+    "keep_blocks",
     "keep_mask",
     "linearize_norm",
     "random_share_std",
@@ -189,43 +194,219 @@ def _project(x: Tensor, w: Tensor) -> Tensor:
     return torch.einsum("bpd,hde->bhpe", x, w)
 
 
-def _dot(q: Tensor, k: Tensor) -> Tensor:
-    return torch.einsum("bhqe,bhke->bhqk", q, k)
-
-
-def _frozen_scale(
-    parts: list[Tensor | None], norm: NormParams, dims: tuple[int, ...]
-) -> list[Tensor | None]:
-    """``parts`` (summing to x) centred (layernorm) and divided by σ(x), σ computed on the
-    full x over ``dims`` and then held fixed, so the map is linear in each part."""
-    present = [p for p in parts if p is not None]
-    x = sum(present[1:], present[0])
+def _frozen_norm(
+    full: Tensor, norm: NormParams | None, over_heads: bool = False
+) -> tuple[Callable[[Tensor], Tensor], Tensor | None]:
+    """A norm as ``(linear map, bias)`` on parts of ``full``, its σ computed on ``full``
+    (the whole input, biases included) and then held fixed, so every part, for every
+    basis, sees the same scale; the norm's bias (broadcast over ``full``) joins the bias
+    part. ``over_heads``: σ over (head, e) of ``(..., head, pos, e)``, weight
+    ``(heads * e,)``; else over the last dim. Without a norm: the identity, no bias."""
+    if norm is None:
+        return (lambda t: t), None
+    heads, dims = (full.shape[-3], (-3, -1)) if over_heads else (1, (-1,))
     if norm.kind == "layernorm":
-        sigma = (x.var(dims, unbiased=False, keepdim=True) + norm.eps).sqrt()
-        parts = [None if p is None else p - p.mean(dims, keepdim=True) for p in parts]
+        sigma = (full.var(dims, unbiased=False, keepdim=True) + norm.eps).sqrt()
     else:
-        sigma = (x.pow(2).mean(dims, keepdim=True) + norm.eps).sqrt()
-    return [None if p is None else p / sigma for p in parts]
+        sigma = (full.pow(2).mean(dims, keepdim=True) + norm.eps).sqrt()
+
+    def per_head(v: Tensor) -> Tensor:  # (e,) or (heads * e,) -> broadcast over (h, p, e)
+        return rearrange(v.to(full), "(h e) -> h 1 e", h=heads) if over_heads else v.to(full)
+
+    weight = None if norm.weight is None else per_head(norm.weight)
+
+    def frozen(t: Tensor) -> Tensor:
+        if norm.kind == "layernorm":
+            t = t - t.mean(dims, keepdim=True)
+        t = t / sigma.to(t.dtype)
+        return t if weight is None else t * weight.to(t.dtype)
+
+    return frozen, None if norm.bias is None else per_head(norm.bias).expand_as(full)
 
 
-def _qk_normalise(
-    t: Tensor, n: Tensor, b: Tensor | None, norm: NormParams, over_heads: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """A q/k norm on (batch, head, pos, e) parts with its scale frozen on their sum; its
-    weight scales every part and its bias joins the bias part."""
-    heads = t.shape[1]
-    dims = (1, 3) if over_heads else (3,)
-    t, n, b = _frozen_scale([t, n, b], norm, dims)
+class ScoreSplit:
+    """One layer's pre-mask scaled scores, ready to be split by many bases (`parts`).
 
-    def per_head(v: Tensor) -> Tensor:  # (e,) or (heads * e,) -> broadcast over (b, h, p, e)
-        return rearrange(v.to(t), "(h e) -> h 1 e", h=heads) if over_heads else v.to(t)
+    The full queries and keys go through the projection, a frozen q/k norm, rotary and
+    the scale once; `parts` pushes each basis's tangent queries and keys through the
+    same linear maps (the norm's scale frozen on the full projection, one for all
+    bases) and takes the normal ones as the difference. The bias term and the scores
+    are the same for every basis. Methods take a block of query rows and key columns,
+    so statistics over unmasked entries can skip the blocks a causal or local mask drops.
+    """
 
-    if norm.weight is not None:
-        w = per_head(norm.weight)
-        t, n, b = t * w, n * w, None if b is None else b * w
-    if norm.bias is not None:
-        b = (0 if b is None else b) + per_head(norm.bias).expand_as(t)
-    return t, n, b
+    @torch.no_grad()
+    def __init__(
+        self,
+        x: Tensor,
+        params: AttentionParams,
+        *,
+        positions: Tensor | None = None,
+        dtype: torch.dtype = torch.float64,
+    ) -> None:
+        """``x``: the attention input ``(batch, pos, d_model)``; ``positions`` as in
+        `decompose_parts`; ``dtype`` float64 or float32."""
+        self.x = x = _check_input(torch.as_tensor(x).detach(), params)
+        self.params, self.dtype = params, _check_dtype(dtype)
+        batch, pos, _ = x.shape
+        q, k = (_project(x.to(dtype), w.to(x.device, dtype)) for w in (params.W_Q, params.W_K))
+        q_b, k_b = (
+            None if b is None else b.to(q)[None, :, None, :].expand_as(t)
+            for b, t in ((params.b_Q, q), (params.b_K, k))
+        )
+        over = params.qk_norm_over_heads
+        self._f_q, n_q = _frozen_norm(q if q_b is None else q + q_b, params.q_norm, over)
+        self._f_k, n_k = _frozen_norm(k if k_b is None else k + k_b, params.k_norm, over)
+        q, k = self._f_q(q), self._f_k(k)
+        q_b = n_q if q_b is None else self._f_q(q_b) if n_q is None else self._f_q(q_b) + n_q
+        k_b = n_k if k_b is None else self._f_k(k_b) if n_k is None else self._f_k(k_b) + n_k
+        self._positions = None if params.rotary is None else _positions(positions, batch, pos, x)
+        if self._positions is not None:
+            q, k = self._rotate(q, k)
+            if q_b is not None or k_b is not None:  # rotary makes them position-dependent
+                zq, zk = torch.zeros_like(q), torch.zeros_like(k)
+                rq, rk = self._rotate(zq if q_b is None else q_b, zk if k_b is None else k_b)
+                q_b, k_b = (None if b is None else r for b, r in ((q_b, rq), (k_b, rk)))
+        self._q, self._k = self._grouped(q * params.scale), k
+        self._q_b = None if q_b is None else self._grouped(q_b * params.scale)
+        self._k_b, self._k_all = k_b, k if k_b is None else k + k_b
+
+    def _rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotary on (..., batch, head, pos, e) q and k, leading dims folded into the batch."""
+        if self.params.rotary is None:
+            return q, k
+        pos = self._positions
+        qf, kf = q.flatten(0, -4), k.flatten(0, -4)
+        qf, kf = self.params.rotary(qf, kf, pos.repeat(qf.shape[0] // pos.shape[0], 1))
+        return qf.reshape(q.shape), kf.reshape(k.shape)
+
+    def _grouped(self, q: Tensor) -> Tensor:
+        """(..., head, pos, e) -> (..., kv_head, group, pos, e): query head j*r + i reads
+        kv head j (grouped-query attention), so no key is repeated."""
+        return q.unflatten(-3, (self.params.n_kv_heads, -1))
+
+    def _heads(self, s: Tensor) -> Tensor:
+        """(..., kv_head, group * rows, keys) -> (..., head, rows, keys), a view."""
+        group = self.params.n_heads // self.params.n_kv_heads
+        return s.unflatten(-2, (group, -1)).flatten(-4, -3)
+
+    def _dot(self, q: Tensor, k: Tensor, rows: slice, keys: slice) -> Tensor:
+        """Grouped queries · keys on a block: (..., head, rows, keys)."""
+        return self._heads(_bmm(q[..., rows, :].flatten(-3, -2), k[..., keys, :]))
+
+    def bias(self, rows: slice = slice(None), keys: slice = slice(None)) -> Tensor | None:
+        """The bias term on a block (the same for every basis), or None without biases."""
+        parts = []
+        if self._q_b is not None:
+            parts.append(self._dot(self._q_b, self._k_all, rows, keys))
+        if self._k_b is not None:
+            parts.append(self._dot(self._q, self._k_b, rows, keys))
+        return sum(parts[1:], parts[0]) if parts else None
+
+    def scores(self, rows: slice = slice(None), keys: slice = slice(None)) -> Tensor:
+        """The pre-mask scaled scores on a block: ``(batch, head, rows, keys)``."""
+        s = self._dot(self._q, self._k, rows, keys)
+        b = self.bias(rows, keys)
+        return s if b is None else s + b
+
+    @torch.no_grad()
+    def parts(self, bases: Sequence[TangentBasis], *, dtype: torch.dtype | None = None) -> Parts:
+        """The split by each of ``bases`` (`Parts`), in ``dtype`` (default: this one's).
+        x_T = x Q Qᵀ projects through W_Q as (x Q)(Qᵀ W_Q), a rank-k product."""
+        if not bases:
+            raise UsageError("parts needs at least one basis.")
+        for basis in bases:
+            if not isinstance(basis, TangentBasis):
+                raise TypeError(f"bases must be TangentBasis; got {type(basis).__name__}.")
+            if basis.d != self.params.d_model:
+                raise UsageError(
+                    f"a basis has d={basis.d} but W_Q reads d_model={self.params.d_model}; "
+                    "fit the basis at this layer's attention input."
+                )
+        frames = torch.zeros(len(bases), basis.d, max(b.k for b in bases), dtype=torch.float64)
+        for i, basis in enumerate(bases):  # zero columns add nothing to x Q Qᵀ
+            frames[i, :, : basis.k] = basis.basis_
+
+        def tangent(w: Tensor) -> Tensor:  # in float64 (small products), then w's dtype
+            f, w64 = frames.to(w.device), w.to(torch.float64)
+            coords = torch.einsum("bpd,ndk->nbpk", self.x.to(f), f)
+            t = torch.einsum("nbpk,nhke->nbhpe", coords, torch.einsum("ndk,hde->nhke", f, w64))
+            return t.to(w.dtype)
+
+        return self._parts(tangent, _check_dtype(dtype or self.dtype))
+
+    def _parts(self, tangent: Callable[[Tensor], Tensor], dtype: torch.dtype) -> Parts:
+        """`Parts` from ``tangent(W)``, the tangent projections ``(n, batch, head, pos, e)``
+        by W_Q or W_K ``(head, d_model, e)``, before any norm, rotary or scale."""
+        w_q, w_k = (w.to(self.x.device, dtype) for w in (self.params.W_Q, self.params.W_K))
+        q_t, k_t = self._rotate(self._f_q(tangent(w_q)), self._f_k(tangent(w_k)))
+        q_t = self._grouped(q_t * self.params.scale)
+        q, k = self._q.to(dtype), self._k.to(dtype)
+        return Parts(self, q_t, q - q_t, k_t, k - k_t)
+
+
+class Parts:
+    """Each basis's tangent and normal queries and keys on one `ScoreSplit`, ``(n, ...)``."""
+
+    def __init__(self, split: ScoreSplit, q_t: Tensor, q_n: Tensor, k_t: Tensor, k_n: Tensor):
+        self.split, self._q, self._k = split, (q_t, q_n), (k_t, k_n)
+
+    def __len__(self) -> int:
+        return int(self._q[0].shape[0])
+
+    def terms(self, i: int, rows: slice = slice(None), keys: slice = slice(None)) -> Tensor:
+        """TT, TN, NT, NN of basis ``i`` on a block: ``(4, batch, head, rows, keys)``."""
+        qs = [q[i][..., rows, :].flatten(-3, -2) for q in self._q]
+        ks = [k[i][..., keys, :] for k in self._k]
+        out = qs[0].new_empty(4, *qs[0].shape[:-1], ks[0].shape[-2])
+        for j, (a, b) in enumerate((a, b) for a in qs for b in ks):  # TT, TN, NT, NN
+            _bmm(a, b, out=out[j])
+        return self.split._heads(out)
+
+    def term_dict(self, i: int) -> dict[str, Tensor]:
+        """Basis ``i``'s ``TT, TN, NT, NN, bias`` on all entries (`decompose_parts`)."""
+        out = dict(zip(TERMS[:4], self.terms(i), strict=True))
+        b = self.split.bias()
+        out["bias"] = torch.zeros_like(out["TT"]) if b is None else b.to(out["TT"])
+        return out
+
+
+def _bmm(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """a (..., m, e) · b (..., n, e) -> (..., m, n) as one `torch.bmm` over the leading dims
+    (torch.matmul copies 4-d operands first, which costs twice the product)."""
+    flat = None if out is None else out.flatten(0, -3)
+    return torch.bmm(a.flatten(0, -3), b.flatten(0, -3).transpose(-1, -2), out=flat).unflatten(
+        0, a.shape[:-2]
+    )
+
+
+def _check_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in (torch.float32, torch.float64):
+        raise UsageError(f"dtype must be torch.float32 or torch.float64; got {dtype}.")
+    return dtype
+
+
+def _positions(positions: Tensor | None, batch: int, pos: int, x: Tensor) -> Tensor:
+    positions = torch.arange(pos, device=x.device) if positions is None else positions
+    positions = torch.as_tensor(positions, device=x.device).long()
+    if positions.ndim == 1:
+        positions = positions[None].expand(batch, pos)
+    if tuple(positions.shape) != (batch, pos):
+        raise UsageError(
+            f"positions must be ({pos},) or ({batch}, {pos}); got {tuple(positions.shape)}."
+        )
+    return positions
+
+
+def _check_input(x: Tensor, params: AttentionParams) -> Tensor:
+    if x.ndim != 3:
+        raise UsageError(f"the input must be (batch, pos, d_model); got {tuple(x.shape)}.")
+    if x.shape[-1] != params.d_model:
+        raise UsageError(
+            f"the input has d_model={x.shape[-1]} but W_Q expects {params.d_model}; "
+            "was the basis fitted at another layer's attention input or another model?"
+        )
+    return x
 
 
 @torch.no_grad()
@@ -252,64 +433,9 @@ def decompose_parts(
             "x_tangent and x_normal must both be (batch, pos, d_model); got "
             f"{tuple(x_tangent.shape)} and {tuple(x_normal.shape)}."
         )
-    if x_tangent.shape[-1] != params.d_model:
-        raise UsageError(
-            f"the input has d_model={x_tangent.shape[-1]} but W_Q expects {params.d_model}; "
-            "was the basis fitted at another layer's attention input or another model?"
-        )
-    if dtype not in (torch.float32, torch.float64):
-        raise UsageError(f"dtype must be torch.float32 or torch.float64; got {dtype}.")
-    batch, pos, _ = x_tangent.shape
-    dev = x_tangent.device
-    xt, xn = x_tangent.to(dev, dtype), x_normal.to(dev, dtype)
-    w_q, w_k = params.W_Q.to(dev, dtype), params.W_K.to(dev, dtype)
-    n, n_kv = params.n_heads, params.n_kv_heads
-
-    def bias(b: Tensor | None, heads: int) -> Tensor | None:  # broadcast over positions
-        if b is None:
-            return None
-        return b.to(dev, dtype)[None, :, None, :].expand(batch, heads, pos, -1).contiguous()
-
-    q_t, q_n, q_b = _project(xt, w_q), _project(xn, w_q), bias(params.b_Q, n)
-    k_t, k_n, k_b = _project(xt, w_k), _project(xn, w_k), bias(params.b_K, n_kv)
-    if params.q_norm is not None:
-        q_t, q_n, q_b = _qk_normalise(q_t, q_n, q_b, params.q_norm, params.qk_norm_over_heads)
-    if params.k_norm is not None:
-        k_t, k_n, k_b = _qk_normalise(k_t, k_n, k_b, params.k_norm, params.qk_norm_over_heads)
-    has_bias = q_b is not None or k_b is not None
-    if has_bias:  # rotary then makes the biases position-dependent
-        q_b = torch.zeros_like(q_t) if q_b is None else q_b
-        k_b = torch.zeros_like(k_t) if k_b is None else k_b
-    if params.rotary is not None:
-        if positions is None:
-            positions = torch.arange(pos, device=dev)
-        positions = torch.as_tensor(positions, device=dev).long()
-        if positions.ndim == 1:
-            positions = positions[None].expand(batch, pos)
-        if tuple(positions.shape) != (batch, pos):
-            raise UsageError(
-                f"positions must be ({pos},) or ({batch}, {pos}); got {tuple(positions.shape)}."
-            )
-        q_t, k_t = params.rotary(q_t, k_t, positions)
-        q_n, k_n = params.rotary(q_n, k_n, positions)
-        if has_bias:
-            q_b, k_b = params.rotary(q_b, k_b, positions)
-    if n_kv != n:  # grouped-query attention: kv head j serves query heads j*r .. j*r+r-1
-        k_t, k_n = k_t.repeat_interleave(n // n_kv, 1), k_n.repeat_interleave(n // n_kv, 1)
-        if has_bias:
-            k_b = k_b.repeat_interleave(n // n_kv, 1)
-    s = params.scale
-    terms = {
-        "TT": _dot(q_t, k_t) * s,
-        "TN": _dot(q_t, k_n) * s,
-        "NT": _dot(q_n, k_t) * s,
-        "NN": _dot(q_n, k_n) * s,
-    }
-    if has_bias:
-        terms["bias"] = (_dot(q_b, k_t + k_n + k_b) + _dot(q_t + q_n, k_b)) * s
-    else:
-        terms["bias"] = torch.zeros_like(terms["TT"])
-    return terms
+    xt = _check_input(x_tangent, params).to(torch.float64)
+    split = ScoreSplit(xt + x_normal.to(xt), params, positions=positions, dtype=dtype)
+    return split._parts(lambda w: _project(xt.to(w), w)[None], dtype).term_dict(0)
 
 
 def keep_mask(
@@ -350,6 +476,24 @@ def keep_mask(
     return keep
 
 
+def keep_blocks(
+    n_pos: int, *, causal: bool = True, window: int | None = None, rows: int = 32
+) -> list[tuple[slice, slice]]:
+    """Blocks of query rows (``rows`` at a time) with the key columns `keep_mask`'s causal
+    and window rules leave them (padding aside): statistics over the kept entries need
+    nothing outside them, about half of a causal matrix. One block without either rule."""
+    if not causal and window is None:
+        return [(slice(None), slice(None))]
+    out = []
+    for start in range(0, n_pos, rows):
+        stop = min(start + rows, n_pos)
+        lo = 0 if window is None else max(0, start - window + 1)
+        hi = stop if causal else min(n_pos, stop - 1 + window)
+        out.append((slice(start, stop), slice(lo, hi)))
+    return out
+
+
+@torch.no_grad()
 def decompose_scores(
     x: Tensor,
     basis: TangentBasis,
@@ -359,7 +503,8 @@ def decompose_scores(
     positions: Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> dict[str, Tensor]:
-    """Split ``x`` (batch, pos, d_model) with ``basis``, then :func:`decompose_parts`.
+    """Split ``x`` (batch, pos, d_model) with ``basis`` into ``TT, TN, NT, NN, bias``
+    (as :func:`decompose_parts`; several bases at once: `ScoreSplit.parts`).
 
     Without ``norm``, ``x`` is the attention input (the exact input to W_Q/W_K). With
     ``norm`` (the pre-attention norm), ``x`` is the residual stream before it and
@@ -368,11 +513,13 @@ def decompose_scores(
     """
     if not isinstance(basis, TangentBasis):
         raise TypeError(f"basis must be a TangentBasis; got {type(basis).__name__}.")
+    if norm is None:
+        split = ScoreSplit(x, params, positions=positions, dtype=dtype)
+        return split.parts([basis]).term_dict(0)
     x_t, x_n = basis.split(torch.as_tensor(x).detach())
-    if norm is not None:
-        x_t, x_n, offset = linearize_norm(x_t, x_n, norm, dtype=dtype)
-        if offset is not None:
-            params = _with_input_offset(params, offset)
+    x_t, x_n, offset = linearize_norm(x_t, x_n, norm, dtype=dtype)
+    if offset is not None:
+        params = _with_input_offset(params, offset)
     return decompose_parts(x_t, x_n, params, positions=positions, dtype=dtype)
 
 
@@ -385,10 +532,10 @@ def linearize_norm(
     (offset is the norm's bias, or None): σ is computed on x = x_T + x_N and then held
     fixed, so the centring, 1/σ and the weight act linearly on each part.
     """
-    xt, xn = _frozen_scale([x_tangent.to(dtype), x_normal.to(dtype)], norm, (-1,))
-    w = 1.0 if norm.weight is None else norm.weight.to(xt.device, dtype)
+    xt, xn = x_tangent.to(dtype), x_normal.to(x_tangent.device, dtype)
+    frozen, _ = _frozen_norm(xt + xn, norm)
     offset = None if norm.bias is None else norm.bias.to(xt.device, dtype)
-    return xt * w, xn * w, offset
+    return frozen(xt), frozen(xn), offset
 
 
 def _with_input_offset(params: AttentionParams, offset: Tensor) -> AttentionParams:

@@ -19,8 +19,10 @@ from tangentlens.decompose import (
     TERMS,
     AttentionParams,
     NormParams,
+    ScoreSplit,
     decompose_parts,
     decompose_scores,
+    keep_blocks,
     linearize_norm,
 )
 from tangentlens.decompose import keep_mask as dkeep_mask
@@ -766,3 +768,94 @@ def test_attention_probe_respects_the_window() -> None:
     marked.update(Observation(site, x))
     rows = [r for r in marked.rows() if r["statistic"] == "linearised_qk_norm"]
     assert [(r["hook"], r["head"], r["value"]) for r in rows] == [(site.hook_name, None, 1.0)]
+
+
+# ------------------------------------------------------------------- many bases at once
+def _brute_terms(x: Tensor, basis: TangentBasis, params: AttentionParams) -> list[Tensor]:
+    """TT, TN, NT, NN written out plainly from x_T = x Q Qᵀ and x_N = x − x_T."""
+    q = basis.basis_
+    x_t = x @ q @ q.T
+    parts = [
+        (
+            torch.einsum("bpd,hde->bhpe", p, params.W_Q.double()),
+            torch.einsum("bpd,hde->bhpe", p, params.W_K.double()),
+        )
+        for p in (x_t, x - x_t)
+    ]
+    return [qk_scores(a[0], b[1], params) for a in parts for b in parts]
+
+
+@pytest.mark.parametrize("case", ["llama", "gpt2", "qk_norm"])
+def test_score_split_of_many_bases_matches_each(case: str) -> None:
+    """One `ScoreSplit`, bases of ranks 1, 5 and 8: each basis's terms are its own split
+    (brute force without q/k norm; the one-basis `decompose_scores` with it), in float64
+    to 1e-10 and in float32 to float32 precision, and they sum to `scores`."""
+    norm = case == "qk_norm"
+    params = _qk_params(True, "layernorm") if norm else params_from_bridge(bridge(case), LAYER)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(2, POS, D, generator=gen, dtype=torch.float64)
+    bases = [random_basis(k, seed=k) for k in (1, 5, 8)]
+    split = ScoreSplit(x, params)
+    many, many32 = split.parts(bases), split.parts(bases, dtype=torch.float32)
+    assert len(many) == 3
+    for i, basis in enumerate(bases):
+        got = many.term_dict(i)
+        if norm:
+            want = decompose_scores(x, basis, params)
+            want_cross = [want[t] for t in TERMS[:4]]
+        else:
+            want_cross = _brute_terms(x, basis, params)
+            assert rel_err(sum(got.values()), reference_scores(x, params)) < 1e-10
+        for t, w in zip(TERMS[:4], want_cross, strict=True):
+            assert rel_err(got[t], w) < 1e-10, t
+        assert rel_err(sum(got.values()), split.scores()) < 1e-12
+        cross32 = many32.terms(i)
+        assert cross32.dtype == torch.float32
+        assert rel_err(cross32, torch.stack(want_cross)) < 1e-5
+    with pytest.raises(ValueError, match="d_model"):
+        split.parts([TangentBasis(torch.eye(D + 1, 2, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="at least one"):
+        split.parts([])
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (True, 5), (False, 5), (False, None)])
+def test_keep_blocks_cover_every_kept_entry(causal: bool, window: int | None) -> None:
+    """Every row in exactly one block, every entry `keep_mask` keeps inside its block,
+    and (causal or local) most masked entries outside every block."""
+    n = 70
+    keep = dkeep_mask((1, 1, n, n), causal=causal, window=window)[0, 0]
+    covered = torch.zeros_like(keep)
+    seen = torch.zeros(n, dtype=torch.int64)
+    for rows, keys in keep_blocks(n, causal=causal, window=window, rows=16):
+        covered[rows, keys] = True
+        seen[rows] += 1
+    assert bool((seen == 1).all()) and not bool((keep & ~covered).any())
+    if causal or window is not None:
+        assert int(covered.sum()) < 0.62 * n * n  # a causal mask keeps 0.51
+    else:
+        assert bool(covered.all())
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_probe_blocks_match_whole_terms(window: int | None) -> None:
+    """The probe splits once per layer and accumulates over row blocks (`keep_blocks`),
+    the basis in float64 and its null frames in float32: the statistics of
+    `AttentionAccumulator.update` on each basis's whole terms, to 1e-10 for the basis
+    and float32 precision for the frames, with left and right padding."""
+    params = replace(params_from_bridge(bridge("llama"), LAYER), window=window)  # rotary, GQA
+    n = 70  # three blocks of 32 rows
+    x = torch.randn(3, n, D, generator=torch.Generator().manual_seed(13))
+    mask = torch.ones(3, n, dtype=torch.int64)
+    mask[1, :5], mask[2, 60:] = 0, 0
+    site, basis = Site(LAYER, "attn_in"), random_basis(4)
+    probe = AttentionProbe({site: (basis, params)}, n_null=3)
+    probe.update(Observation(site, x, mask))
+    nulls = [(f"{site.hook_name}/null{j}", b, 1e-5) for j, b in enumerate(probe.null_bases[site])]
+    for key, b, tol in [(site.hook_name, basis, 1e-10), *nulls]:
+        whole = AttentionAccumulator().update(
+            decompose_scores(x, b, params), mask, causal=True, window=window
+        )
+        got = probe.state(key)
+        assert (got.rows, got.entries) == (whole.rows, whole.entries)
+        for stat, want in whole.results().items():
+            torch.testing.assert_close(got.results()[stat], want, rtol=tol, atol=1e-12)

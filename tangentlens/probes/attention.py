@@ -31,8 +31,10 @@ from torch import Tensor
 from ..decompose import (
     TERMS,
     AttentionParams,
+    ScoreSplit,
     decompose_scores,
     head_write_energies,
+    keep_blocks,
     keep_mask,
     random_share_std,
     z_gram,
@@ -208,18 +210,29 @@ class AttentionAccumulator:
         keep = keep_mask(
             tuple(shape), causal=causal, window=window, attention_mask=attention_mask, device=dev
         )
-        rows = keep.any(-1)
-        for i, t in enumerate(ts):
-            self._energy[i] += torch.where(keep, t * t, 0.0).sum((0, 2, 3))
-        scores = sum(ts[1:], ts[0])
-        neg = torch.tensor(float("-inf"), dtype=torch.float64, device=dev)
-        log_p = torch.log_softmax(torch.where(keep, scores, neg), -1)
-        log_q = torch.log_softmax(torch.where(keep, ts[0] + ts[4], neg), -1)
-        kl = torch.where(keep, log_p.exp() * (log_p - log_q), 0.0).sum(-1)  # (b, h, q)
-        self._kl += torch.where(rows, kl, 0.0).sum((0, 2))
-        self._rows += int(rows.sum())
-        self._entries += int(keep.sum())
+        self._add(torch.stack(ts[:4]), _Block(sum(ts[1:], ts[0]), ts[4], keep))
+        self._count(keep)
         return self
+
+    def _add(self, cross: Tensor, block: _Block) -> None:
+        """Add the statistics of TT, TN, NT, NN (``cross``, ``(4, batch, head, rows,
+        keys)``, float32 or float64) on one block of rows and the keys they see; sums over
+        rows and the KL run in float64 (the block's precision)."""
+        if self._energy is None:  # restored from an empty state
+            self._init(cross.shape[2], cross.device)
+        masked = cross * block.kept(cross.dtype)
+        energy = (masked * masked).sum(-1).to(torch.float64).sum((1, 3))  # rows, then f64
+        # KL(P‖P_TT) = Σ P log P − Σ P (TT + bias) + logsumexp(TT + bias), in P's precision
+        tt = cross[0].to(block.p.dtype)
+        kl = block.p_log_p - torch.linalg.vecdot(block.p, tt) - block.p_bias
+        kl = kl + torch.logsumexp(tt + block.offset, -1)
+        self._energy[:4] += energy.to(self._energy)
+        self._energy[4] += block.bias_energy.to(self._energy)
+        self._kl += torch.where(block.rows, kl, 0.0).sum((0, 2)).to(self._kl)
+
+    def _count(self, keep: Tensor) -> None:
+        self._rows += int(keep.any(-1).sum())
+        self._entries += int(keep.sum())
 
     def merge(self, other: AttentionAccumulator) -> AttentionAccumulator:
         """Add ``other``'s statistics into this one (exact)."""
@@ -297,6 +310,37 @@ class AttentionAccumulator:
         return f"AttentionAccumulator(n_heads={self.n_heads}, rows={self._rows})"
 
 
+class _Block:
+    """What the statistics of every basis share on one block of query rows (with all the
+    keys they see): the keep mask, the model's pattern P = softmax(scores + mask) and
+    Σ P log P per row, and the bias term (its energy, Σ P·bias, and bias + mask, the
+    offset of TT in the pattern P_TT).
+
+    Masked entries get the most negative finite float instead of −inf: exp of it is 0,
+    so kept entries are as with −inf, and products with P need no second mask (rows with
+    no kept key are dropped through ``rows``)."""
+
+    def __init__(self, scores: Tensor, bias: Tensor | None, keep: Tensor) -> None:
+        self.keep, self.rows = keep, keep.any(-1)
+        self._kept: dict[torch.dtype, Tensor] = {}
+        mask = torch.zeros(keep.shape, dtype=scores.dtype, device=scores.device)
+        mask.masked_fill_(~keep, torch.finfo(scores.dtype).min)
+        log_p = torch.log_softmax(scores + mask, -1)
+        self.p = log_p.exp()
+        self.p_log_p = torch.linalg.vecdot(self.p, log_p)
+        self.bias_energy = torch.zeros(scores.shape[1], dtype=torch.float64, device=keep.device)
+        self.p_bias, self.offset = torch.zeros_like(self.p_log_p), mask
+        if bias is not None:
+            self.bias_energy += torch.where(keep, bias, 0.0).square().sum((0, 2, 3))
+            self.p_bias, self.offset = torch.linalg.vecdot(self.p, bias), bias + mask
+
+    def kept(self, dtype: torch.dtype) -> Tensor:
+        """The keep mask as 0/1 in ``dtype``."""
+        if dtype not in self._kept:
+            self._kept[dtype] = self.keep.to(dtype)
+        return self._kept[dtype]
+
+
 class AttentionProbe(Probe):
     """Per-head score statistics at attention-input sites (``attn_in``), and optionally
     the share of each head's write in Q_T.
@@ -310,8 +354,12 @@ class AttentionProbe(Probe):
 
     The null: the same statistics with ``n_null`` random frames of matched rank in the
     complement of Q_T in place of Q_T (`normal_controls`), as rows ``{statistic}_null``
-    (mean over frames), ``{statistic}_null_std`` and ``{statistic}_z`` per head; each frame
-    costs one more split of the scores (``n_null=0`` turns the null off).
+    (mean over frames), ``{statistic}_null_std`` and ``{statistic}_z`` per head
+    (``n_null=0`` turns the null off). Each layer is projected once for the basis and
+    all frames (`ScoreSplit`); the basis's terms are float64, the frames' float32 (their
+    tangent projections formed in float64, their sums and KL taken in float64): a
+    random frame's tangent part is of typical size, with no cancellation, so this moves
+    the null rows by ~1e-7 relative, far inside the spread over frames.
 
     ``writes`` maps a layer (one with an ``attn_in`` site here) to ``(basis_site, basis,
     W_O)``: the residual site whose basis measures that attention's writes and W_O
@@ -407,13 +455,29 @@ class AttentionProbe(Probe):
     def update(self, obs: Observation) -> None:
         basis, params = self.layers[obs.site]
         self._masks[obs.site.layer] = obs.mask  # this layer's z comes next in the pass
-        keys = [(obs.site.hook_name, basis)] + [
-            (f"{obs.site.hook_name}/null{j}", b)
-            for j, b in enumerate(self.null_bases.get(obs.site, []))
-        ]
-        for key, b in keys:
-            terms = decompose_scores(obs.tensor, b, params)
-            self.state(key).update(terms, obs.mask, causal=params.causal, window=params.window)
+        bases = [basis, *self.null_bases.get(obs.site, [])]
+        accs = [self.state(obs.site.hook_name)]
+        accs += [self.state(f"{obs.site.hook_name}/null{j}") for j in range(len(bases) - 1)]
+        batch, pos = obs.tensor.shape[:2]
+        keep = keep_mask(
+            (batch, 1, pos, pos),
+            causal=params.causal,
+            window=params.window,
+            attention_mask=obs.mask,
+            device=obs.tensor.device,
+        )
+        split = ScoreSplit(obs.tensor, params)  # projections shared by every basis
+        # the basis in float64; its null frames, a Monte-Carlo reference, in float32
+        parts = [(split.parts(bases[:1]), accs[:1])]
+        if len(bases) > 1:
+            parts.append((split.parts(bases[1:], dtype=torch.float32), accs[1:]))
+        for rows, keys in keep_blocks(pos, causal=params.causal, window=params.window):
+            block = _Block(split.scores(rows, keys), split.bias(rows, keys), keep[..., rows, keys])
+            for part, part_accs in parts:
+                for i, acc in enumerate(part_accs):
+                    acc._add(part.terms(i, rows, keys), block)
+        for acc in accs:
+            acc._count(keep)
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
