@@ -11,7 +11,7 @@ another pass over tokens (`tangentlens.controls`: one eigendecomposition per sit
 both tests and both kinds of controls, since the energy test's second moment is the
 covariance plus the mean's outer product and the isotropy test's covariance is the same
 matrix scaled by n/(n − 1)). Measured at d = 576, k = 16, 1,000 controls, one thread:
-95 ms per site for everything `tangent_tests` reports, against 300 ms with the four
+~90 ms per site for everything `tangent_tests` reports, against ~280 ms with the four
 eigendecompositions this replaced.
 
 Controls. ``controls="uniform"`` (the default) draws frames from the whole space, which
