@@ -5,13 +5,14 @@ Threads that outnumber free cores make d × d eigendecompositions at d ≤ ~1,00
 and make results depend on scheduling. `benchmarks/bench_threads.py` measures `results()`
 on SmolLM2 (d = 576, 30 sites) on this 2-core machine: on a quiet machine two threads
 (two sites at a time) beat one (1.7 s against 2.8–3.5 s); on a machine busy with other
-work one thread was the faster by far. The study runs on one thread (`StudyConfig.num_threads`), sessions leave the threads
-as they are unless asked (`ProbeSession.results(threads=1)`).
+work one thread was the faster by far. The study runs on one thread
+(`StudyConfig.num_threads`), sessions leave the threads as they are unless asked
+(`ProbeSession.results(threads=1)`).
 
 `site_map` runs independent per-site tests on as many workers as torch has threads, each
 single-threaded: a d × d tridiagonalisation is memory-bound and scales poorly across
-threads, while two sites on two cores run side by side (`benchmarks/bench_threads.py`). Each site's numbers are then those of one thread,
-whatever the scheduling.
+threads, while two sites on two cores run side by side. Each site's numbers are then
+those of one thread, whatever the scheduling.
 """
 
 from __future__ import annotations
