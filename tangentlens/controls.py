@@ -127,6 +127,7 @@ class SiteFrames:
         if rank_one is not None:
             root = self.scale**0.5
             low |= {"m_t": q_t.T @ rank_one / root, "m_c": self.v.T @ rank_one / root}
+        self.exact = low  # float64, for chunks whose normal controls are ill-conditioned
         self.low = {key: value.to(NULL_DTYPE) for key, value in low.items()}
 
     def null(self, n: int, seed: int, *, normal: bool, squares: bool) -> dict[str, Tensor]:
@@ -172,12 +173,14 @@ def canonical_vectors(v: Tensor, lam: Tensor, rank_one: Tensor | None, scale: fl
 
 
 def _null_traces(
-    site: SiteFrames, f: Tensor, sq: Tensor, normal: bool, squares: bool
+    site: SiteFrames, f: Tensor, sq: Tensor, normal: bool, squares: bool, exact: bool = False
 ) -> dict[str, Tensor]:
-    """One chunk of `SiteFrames.null` (see there for the names), in `NULL_DTYPE`."""
-    lam, x, t = site.low["lam"], site.low["x"], site.low["t"]
-    dev, k = lam.device, site.k
-    f, sq = f.to(dev), sq.to(dev)
+    """One chunk of `SiteFrames.null` (see there for the names), in `NULL_DTYPE`, or in
+    float64 (``exact``) where a frame's complement block is ill-conditioned."""
+    low = site.exact if exact else site.low
+    lam, x, t = low["lam"], low["x"], low["t"]
+    k = site.k
+    f, sq = f.to(lam), sq.to(lam)
     a, b, sq_b = f[:, :k], f[:, k:], sq[:, k:]
 
     def tr(z: Tensor) -> Tensor:
@@ -189,8 +192,8 @@ def _null_traces(
     ata = a.mT @ t @ a
     p = x @ b  # X B
     out = {"tr": tr(ata) + 2 * dot(a, p) + sq_b @ lam}
-    if "m_t" in site.low:
-        m_t, m_c = site.low["m_t"], site.low["m_c"]
+    if "m_t" in low:
+        m_t, m_c = low["m_t"], low["m_c"]
         bm = b.mT @ m_c  # (n, k)
         out["m"] = (a.mT @ m_t + bm).pow(2).sum(-1)
     if squares or normal:
@@ -198,18 +201,35 @@ def _null_traces(
         kb = b.mT @ lb  # BᵀΛB
     if squares:
         r = (x * lam) @ b  # XΛB
-        out["tr2"] = (t @ a + p).pow(2).sum((-2, -1)) + dot(a, site.low["xxt"] @ a) + 2 * dot(a, r)
+        out["tr2"] = (t @ a + p).pow(2).sum((-2, -1)) + dot(a, low["xxt"] @ a) + 2 * dot(a, r)
         out["tr2"] = out["tr2"] + sq_b @ lam**2
         out["frob"] = (ata + a.mT @ p + p.mT @ a + kb).pow(2).sum((-2, -1))
-    if normal:  # G = B L⁻ᵀ, LLᵀ = BᵀB = I − AᵀA (F is orthonormal)
-        eye = torch.eye(k, dtype=a.dtype, device=dev)
-        chol = torch.linalg.cholesky(eye - a.mT @ a)
-        inv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)  # L⁻¹
+    if normal:
+        inv, weak = _complement_gram_inverse_root(a, b)
+        if weak and not exact:  # L⁻¹ ill-conditioned: float32 would lose the normal traces
+            return _null_traces(site, f, sq, normal, squares, exact=True)
         gkg = inv @ kb @ inv.mT  # GᵀΛG
         out["tr_normal"] = tr(gkg)
-        if "m_t" in site.low:
+        if "m_t" in low:
             out["m_normal"] = (inv @ bm[..., None]).pow(2).sum((-2, -1))
         if squares:
             out["tr2_normal"] = tr(inv @ (lb.mT @ lb) @ inv.mT) + (p @ inv.mT).pow(2).sum((-2, -1))
             out["frob_normal"] = gkg.pow(2).sum((-2, -1))
     return out
+
+
+def _complement_gram_inverse_root(a: Tensor, b: Tensor) -> tuple[Tensor, bool]:
+    """L⁻¹ with LLᵀ = BᵀB, per frame, so that G = B·L⁻ᵀ is orthonormal, and whether any
+    frame was ill-conditioned. F = [A; B] is orthonormal up to its float32 rounding, so
+    BᵀB = I − AᵀA (float64, k × k) where a pivot is at least 0.1; a weaker frame (2k near
+    d puts eigenvalues of AᵀA near 1, where the rounding would show) takes L = Rᵀ from a
+    float64 QR of its own B. Every trace depends on the span of G only."""
+    k = a.shape[-1]
+    eye = torch.eye(k, dtype=torch.float64, device=a.device)
+    a64 = a.double()
+    chol, info = torch.linalg.cholesky_ex(eye - a64.mT @ a64)
+    weak = ((info != 0) | (chol.diagonal(dim1=-2, dim2=-1).amin(-1) < 0.1)).nonzero().flatten()
+    if weak.numel():
+        chol[weak] = torch.linalg.qr(b[weak].double()).R.mT
+    inv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
+    return inv.to(a.dtype), bool(weak.numel())

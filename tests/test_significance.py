@@ -324,3 +324,20 @@ def test_wrong_types(call):
     m = Moments().update(torch.randn(50, 8))
     with pytest.raises(TypeError):
         call(m, TangentBasis(torch.eye(8)[:, :2]))
+
+
+def test_normal_controls_at_half_the_dimension():
+    """2k = d: the complement rows of a uniform frame are often nearly rank-deficient; the
+    normal controls still come out orthonormal and exact (regression: float32 Cholesky)."""
+    gen = torch.Generator().manual_seed(12)
+    d, k, n = 8, 4, 5000
+    b = _basis(d, k, gen)
+    m = Moments().update(_grads(300, d, gen, torch.linspace(0.2, 2, d, dtype=torch.float64)))
+    site = C.SiteFrames(m.covariance(), b.basis_, rank_one=m.mean)
+    draws = site.null(n, 0, normal=True, squares=True)
+    assert all(bool(torch.isfinite(v).all()) for v in draws.values())
+    _, normal = _explicit_controls(site, C.control_frames(d, k, n, 0)[0])
+    fsf = normal.mT @ m.covariance() @ normal
+    torch.testing.assert_close(
+        draws["tr_normal"], fsf.diagonal(dim1=1, dim2=2).sum(1), rtol=1e-4, atol=1e-6
+    )
