@@ -95,7 +95,7 @@ class SiteFrames:
     In W, M is an arrow: T = Q_TᵀMQ_T (k × k), X = Q_TᵀMV (k × (d − k)) and Λ. A uniform
     control is a Haar frame F = [A; B] of R^d (A its first k rows), exact in any fixed
     coordinates; a normal control is G = B·L⁻ᵀ with LLᵀ = BᵀB, whose span is Haar in the
-    complement. Every trace then costs k × k algebra after three products of B with
+    complement. Every trace then costs k × k algebra after four products of B with
     (d − k) × k matrices (`_null_traces`), and one eigendecomposition serves the energy
     test (αM + mmᵀ: the second moment is the covariance plus the mean's outer product)
     and the isotropy test (βM) with both kinds of controls.
@@ -119,7 +119,7 @@ class SiteFrames:
         self.q_t = q_t
         # float32 copies scaled to ‖M‖_F = 1, eigenvalues under 1e-12 of it set to 0:
         # gradients' tiny second moments squared would otherwise be float32 denormals,
-        # 100x slower to multiply (measured: 62 ms against 30 ms a chunk)
+        # slow to multiply (measured: 62 ms against 30 ms a chunk of 512 controls)
         self.scale = sigma / 2
         lam = torch.where(lam.abs() < 1e-12 * self.scale, 0.0, lam) / self.scale
         x = mq.T @ self.v / self.scale
