@@ -408,9 +408,13 @@ def _energy_statistics(
 ) -> dict[str, float | None]:
     """The energy test's named statistics: uniform controls, plus normal ones (labelled,
     so no warning) where they fit (2k ≤ d)."""
-    mc = {"n_controls": n_controls}
     energy = _energy(
-        h, basis, draws, **mc, controls="uniform", activation_moments=activation_moments
+        h,
+        basis,
+        draws,
+        n_controls=n_controls,
+        controls="uniform",
+        activation_moments=activation_moments,
     )
     out = {
         "tangent_share": energy.tangent_share,
@@ -420,7 +424,9 @@ def _energy_statistics(
         "normalized_ratio": energy.normalized_ratio,
     }
     if "tr_normal" in draws:
-        normal = _energy(h, basis, draws, **mc, controls="normal", activation_moments=None)
+        normal = _energy(
+            h, basis, draws, n_controls=n_controls, controls="normal", activation_moments=None
+        )
         out["p_value_normal"] = normal.p_value
     return out
 

@@ -116,7 +116,7 @@ class GradientProbe(Probe):
         sites = [(s, g) for s, g in self.moments().items() if g.count]
         # two names of one tensor are tested once; distinct sites side by side
         first = [_first_identical(sites, i, self.bases) for i in range(len(sites))]
-        unique = [sites[i] for i in sorted(set(first))]
+        order = sorted(set(first))
 
         def test(item: tuple[Site, Moments]) -> dict[str, float]:
             site, grads = item
@@ -124,15 +124,10 @@ class GradientProbe(Probe):
                 grads, self.bases[site], n_controls=self.n_controls, seed=self.seed
             )
 
-        tested = dict(
-            zip(
-                (s for s, _ in unique),
-                sites_bar(site_map(test, unique), self, len(unique)),
-                strict=True,
-            )
-        )
+        results = site_map(test, [sites[i] for i in order])
+        tested = dict(zip(order, sites_bar(results, self, len(order)), strict=True))
         for (site, grads), j in zip(sites, first, strict=True):
-            values = dict(tested[sites[j][0]])
+            values = dict(tested[j])
             # the activations' share from the group sums
             tangent, total = self.state(f"groups/{site.hook_name}").value[:, 2:].sum(0).tolist()
             act = self._ratio(site, tangent, total)
