@@ -11,10 +11,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-import scipy.linalg
 import torch
 from torch import Tensor
 
+from .compute import top_eigh
 from .errors import CorruptFileError, UsageError
 from .files import load_tensors, save_tensors
 from .stats import Moments
@@ -55,25 +55,6 @@ def _check_orthonormal(q: Tensor, name: str = "q") -> Tensor:
             "orthonormalise it first, e.g. torch.linalg.qr(q).Q."
         )
     return q64
-
-
-def _top_eigh(cov: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """The ``n`` largest eigenvalues of the symmetric ``cov``, descending, and their
-    eigenvectors; ``cov`` is overwritten. On the CPU only those ``n`` pairs are computed
-    (LAPACK's MRRR, ``syevr``): about half the time of a full ``eigh`` at d = 576, the
-    tridiagonal reduction being all that is left, and `fit_bases` runs three per site."""
-    if cov.device.type != "cpu":
-        evals, evecs = torch.linalg.eigh(cov)
-        return evals.flip(0)[:n], evecs.flip(1)[:, :n]
-    d = cov.shape[0]
-    evals, evecs = scipy.linalg.eigh(
-        cov.numpy().T,  # the same symmetric matrix, in LAPACK's column order: no copy
-        subset_by_index=[d - n, d - 1],
-        driver="evr",
-        overwrite_a=True,
-        check_finite=False,
-    )
-    return torch.from_numpy(evals[::-1].copy()), torch.from_numpy(evecs[:, ::-1].copy())
 
 
 def _cloned(t: Tensor | None) -> Tensor | None:
@@ -148,9 +129,9 @@ class TangentBasis:
         else:
             rank = check_rank(rank, d)
             # Σλ is the trace, up to the rounding-level negative eigenvalues a full
-            # decomposition would clamp; read before `_top_eigh` overwrites ``cov``
+            # decomposition would clamp; read before `top_eigh` overwrites ``cov``
             total = max(float(torch.trace(cov)), 0.0)
-            evals, evecs = _top_eigh(cov, rank + 1)
+            evals, evecs = top_eigh(cov, rank + 1)
             evals = evals.clamp_min(0)
         q = evecs[:, :rank]
         # Deterministic signs: the largest-magnitude entry of each column is positive.

@@ -19,6 +19,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..batches import as_batches, iter_batches, unpack_batch
+from ..compute import site_map
 from ..errors import UnstableBasisWarning, UsageError
 from ..files import tensor_hash
 from ..hooks.base import get_backend
@@ -307,21 +308,29 @@ def fit_bases(
         "library": f"tangentlens {__version__}",
         **(provenance or {}),
     }
+    # two names of one tensor (resid_post[l] is resid_pre[l + 1] on a bridge) have
+    # bit-identical statistics: fit once, relabel (the eigendecompositions dominate)
+    twins: dict[Site, Site] = {}
+    for s in moments:
+        twins[s] = next(
+            (t for t in twins if twins[t] == t and _same_tensor(t, s, moments, halves)), s
+        )
+
+    def fit(s: Site) -> TangentBasis:
+        basis = TangentBasis.fit(
+            moments[s], rank, variance=variance, provenance={"site": s.hook_name, **info}
+        )
+        if len(halves) > 1 and min(h[s].count for h in halves) >= 2:
+            split = split_half_overlap(halves[0][s], halves[1][s], basis.k)
+            basis.provenance["split_half_overlap"] = split
+        return basis
+
+    distinct = [s for s, t in twins.items() if s == t]
+    fitted = dict(zip(distinct, site_map(fit, distinct), strict=True))  # side by side
     bases: dict[Site, TangentBasis] = {}
     unstable = []
-    for s, m in moments.items():
-        # two names of one tensor (resid_post[l] is resid_pre[l + 1] on a bridge) have
-        # bit-identical statistics: fit once, relabel (the eigendecompositions dominate)
-        twin = next((t for t in bases if _same_tensor(t, s, moments, halves)), None)
-        if twin is not None:
-            basis = bases[twin].relabelled(site=s.hook_name)
-        else:
-            basis = TangentBasis.fit(
-                m, rank, variance=variance, provenance={"site": s.hook_name, **info}
-            )
-            if len(halves) > 1 and min(h[s].count for h in halves) >= 2:
-                split = split_half_overlap(halves[0][s], halves[1][s], basis.k)
-                basis.provenance["split_half_overlap"] = split
+    for s, t in twins.items():
+        basis = fitted[s] if s == t else fitted[t].relabelled(site=s.hook_name)
         split = basis.provenance.get("split_half_overlap")
         if split is not None and near_chance(split, basis.k, basis.d):
             unstable.append(f"{s.hook_name} ({split:.2f})")
