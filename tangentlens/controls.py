@@ -8,7 +8,7 @@ W = [Q_T, V] where it is an arrow (a k × k block, a k × (d − k) border, a di
 Haar frame drawn directly in W is Haar (uniform controls), and its complement rows,
 orthonormalised, are Haar in the complement (the paper's normal controls), so both kinds
 come from one draw at O(d·k²) each. The frames are drawn once per (d, k, n, seed) and
-cached (`control_frames`).
+cached with what every site reads of them (`ControlSet`, `control_frames`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import Tensor
 
 __all__ = [
     "NULL_DTYPE",
+    "ControlSet",
     "FrameCache",
     "SiteFrames",
     "canonical_vectors",
@@ -56,33 +57,58 @@ def draw_frames(dim: int, k: int, n: int, seed: int) -> Tensor:
     return out
 
 
+class ControlSet:
+    """One draw of ``n`` uniform k-frames F = [A; B] of R^dim (`draw_frames`), with what
+    every site reads of them: the squared row norms ‖F_i‖² (Σλᵢ‖F_i‖² over all frames is
+    a mat-vec) and, for normal controls, L⁻¹ with LLᵀ = BᵀB and the squared row norms of
+    G = B·L⁻ᵀ. L comes from a float64 QR of B (G = the QR's Q), once per draw: exact
+    however ill-conditioned B is (2k near d), and no site pays for it again."""
+
+    def __init__(self, frames: Tensor) -> None:
+        self.frames = frames
+        self.squares = frames.pow(2).sum(-1)
+        self._normal: tuple[Tensor, Tensor] | None = None
+        self._lock = threading.Lock()
+
+    def normal(self) -> tuple[Tensor, Tensor]:
+        """``(L⁻¹ (n, k, k), ‖G_i‖² (n, dim − k))`` in `NULL_DTYPE`, computed on first use."""
+        with self._lock:
+            if self._normal is None:
+                k = self.frames.shape[-1]
+                g, r = torch.linalg.qr(self.frames[:, k:].double())  # G R = B: L = Rᵀ
+                eye = torch.eye(k, dtype=torch.float64).expand_as(r)
+                inv = torch.linalg.solve_triangular(r.mT, eye, upper=False)
+                self._normal = (inv.to(NULL_DTYPE), g.pow(2).sum(-1).to(NULL_DTYPE))
+            return self._normal
+
+    @property
+    def nbytes(self) -> int:
+        extra = sum(t.nbytes for t in self._normal) if self._normal is not None else 0
+        return self.frames.nbytes + self.squares.nbytes + extra
+
+
 class FrameCache:
-    """Control frames by (dim, k, n, seed), least recently used out first, within a byte
-    budget: one draw serves every site and both tests of a study. With each set it keeps
-    the squared row norms ‖F_i‖², so Σλᵢ‖F_i‖² over all frames is a mat-vec."""
+    """`ControlSet` by (dim, k, n, seed), least recently used out first, within a byte
+    budget: one draw serves every site and both tests of a study."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._frames: OrderedDict[tuple[int, int, int, int], tuple[Tensor, Tensor]] = OrderedDict()
+        self._sets: OrderedDict[tuple[int, int, int, int], ControlSet] = OrderedDict()
 
-    def __call__(self, dim: int, k: int, n: int, seed: int) -> tuple[Tensor, Tensor]:
+    def __call__(self, dim: int, k: int, n: int, seed: int) -> ControlSet:
         with self._lock:  # sites are tested side by side (`compute.site_map`)
             return self._get((dim, k, n, seed))
 
-    def _get(self, key: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
-        if key in self._frames:
-            self._frames.move_to_end(key)
-            return self._frames[key]
-        frames = draw_frames(*key)
-        entry = self._frames[key] = (frames, frames.pow(2).sum(-1))
+    def _get(self, key: tuple[int, int, int, int]) -> ControlSet:
+        if key in self._sets:
+            self._sets.move_to_end(key)
+            return self._sets[key]
+        entry = self._sets[key] = ControlSet(draw_frames(*key))
         # the oldest go first; the newest stays even when it alone is over budget
-        while len(self._frames) > 1 and self._bytes() > self.max_bytes:
-            self._frames.popitem(last=False)
+        while len(self._sets) > 1 and sum(c.nbytes for c in self._sets.values()) > self.max_bytes:
+            self._sets.popitem(last=False)
         return entry
-
-    def _bytes(self) -> int:
-        return sum(f.nbytes + q.nbytes for f, q in self._frames.values())
 
 
 control_frames = FrameCache(CACHE_BYTES)
@@ -95,8 +121,9 @@ class SiteFrames:
     In W, M is an arrow: T = Q_TᵀMQ_T (k × k), X = Q_TᵀMV (k × (d − k)) and Λ. A uniform
     control is a Haar frame F = [A; B] of R^d (A its first k rows), exact in any fixed
     coordinates; a normal control is G = B·L⁻ᵀ with LLᵀ = BᵀB, whose span is Haar in the
-    complement. Every trace then costs k × k algebra after four products of B with
-    (d − k) × k matrices (`_null_traces`), and one eigendecomposition serves the energy
+    complement. Every trace then costs k × k algebra after two products of B with
+    (d − k) × k matrices (`_null_traces`; what the normal controls need of L is
+    computed once per draw, `ControlSet`), and one eigendecomposition serves the energy
     test (αM + mmᵀ: the second moment is the covariance plus the mean's outer product)
     and the isotropy test (βM) with both kinds of controls.
 
@@ -127,7 +154,6 @@ class SiteFrames:
         if rank_one is not None:
             root = self.scale**0.5
             low |= {"m_t": q_t.T @ rank_one / root, "m_c": self.v.T @ rank_one / root}
-        self.exact = low  # float64, for chunks whose normal controls are ill-conditioned
         self.low = {key: value.to(NULL_DTYPE) for key, value in low.items()}
 
     def null(self, n: int, seed: int, *, normal: bool, squares: bool) -> dict[str, Tensor]:
@@ -135,9 +161,16 @@ class SiteFrames:
         with ``squares``, ``tr2`` = tr(FᵀM²F) and ``frob`` = ‖FᵀMF‖²_F; with a
         ``rank_one`` r, ``m`` = ‖Fᵀr‖²; the same with suffix ``_normal`` for normal
         controls. float64, computed in `NULL_DTYPE`."""
-        frames, sq = control_frames(self.v.shape[0], self.k, n, int(seed))
+        draw = control_frames(self.v.shape[0], self.k, n, int(seed))
+        inv, sq_g = draw.normal() if normal else (None, None)
         parts = [
-            _null_traces(self, frames[i : i + CHUNK], sq[i : i + CHUNK], normal, squares)
+            _null_traces(
+                self,
+                draw.frames[i : i + CHUNK],
+                draw.squares[i : i + CHUNK],
+                None if inv is None else (inv[i : i + CHUNK], sq_g[i : i + CHUNK]),
+                squares,
+            )
             for i in range(0, n, CHUNK)
         ]
         power = {"tr": 1, "m": 1, "tr2": 2, "frob": 2}  # homogeneity in M (and r r^T)
@@ -173,14 +206,18 @@ def canonical_vectors(v: Tensor, lam: Tensor, rank_one: Tensor | None, scale: fl
 
 
 def _null_traces(
-    site: SiteFrames, f: Tensor, sq: Tensor, normal: bool, squares: bool, exact: bool = False
+    site: SiteFrames,
+    f: Tensor,
+    sq: Tensor,
+    normal: tuple[Tensor, Tensor] | None,
+    squares: bool,
 ) -> dict[str, Tensor]:
-    """One chunk of `SiteFrames.null` (see there for the names), in `NULL_DTYPE`, or in
-    float64 (``exact``) where a frame's complement block is ill-conditioned."""
-    low = site.exact if exact else site.low
+    """One chunk of `SiteFrames.null` (see there for the names), in `NULL_DTYPE`:
+    frames ``f`` with squared row norms ``sq`` and, for normal controls, their
+    ``(L⁻¹, ‖G_i‖²)`` (`ControlSet.normal`)."""
+    low = site.low
     lam, x, t = low["lam"], low["x"], low["t"]
     k = site.k
-    f, sq = f.to(lam), sq.to(lam)
     a, b, sq_b = f[:, :k], f[:, k:], sq[:, k:]
 
     def tr(z: Tensor) -> Tensor:
@@ -190,46 +227,26 @@ def _null_traces(
         return (y * z).sum((-2, -1))
 
     ata = a.mT @ t @ a
-    p = x @ b  # X B
+    # X B and, for the squares, X Λ B: one product with the rows stacked
+    stacked = (torch.cat([x, x * lam]) if squares else x) @ b
+    p = stacked[:, :k]
     out = {"tr": tr(ata) + 2 * dot(a, p) + sq_b @ lam}
     if "m_t" in low:
-        m_t, m_c = low["m_t"], low["m_c"]
-        bm = b.mT @ m_c  # (n, k)
-        out["m"] = (a.mT @ m_t + bm).pow(2).sum(-1)
-    if squares or normal:
-        lb = lam[:, None] * b
-        kb = b.mT @ lb  # BᵀΛB
+        bm = b.mT @ low["m_c"]  # (n, k)
+        out["m"] = (a.mT @ low["m_t"] + bm).pow(2).sum(-1)
     if squares:
-        r = (x * lam) @ b  # XΛB
+        kb = b.mT @ (lam[:, None] * b)  # BᵀΛB
+        r = stacked[:, k:]  # XΛB
         out["tr2"] = (t @ a + p).pow(2).sum((-2, -1)) + dot(a, low["xxt"] @ a) + 2 * dot(a, r)
         out["tr2"] = out["tr2"] + sq_b @ lam**2
         out["frob"] = (ata + a.mT @ p + p.mT @ a + kb).pow(2).sum((-2, -1))
-    if normal:
-        inv, weak = _complement_gram_inverse_root(a, b)
-        if weak and not exact:  # L⁻¹ ill-conditioned: float32 would lose the normal traces
-            return _null_traces(site, f, sq, normal, squares, exact=True)
-        gkg = inv @ kb @ inv.mT  # GᵀΛG
-        out["tr_normal"] = tr(gkg)
+    if normal is not None:
+        inv, sq_g = normal  # G = B L⁻ᵀ
+        out["tr_normal"] = sq_g @ lam
         if "m_t" in low:
             out["m_normal"] = (inv @ bm[..., None]).pow(2).sum((-2, -1))
         if squares:
-            out["tr2_normal"] = tr(inv @ (lb.mT @ lb) @ inv.mT) + (p @ inv.mT).pow(2).sum((-2, -1))
+            gkg = inv @ kb @ inv.mT  # GᵀΛG
+            out["tr2_normal"] = sq_g @ lam**2 + (p @ inv.mT).pow(2).sum((-2, -1))
             out["frob_normal"] = gkg.pow(2).sum((-2, -1))
     return out
-
-
-def _complement_gram_inverse_root(a: Tensor, b: Tensor) -> tuple[Tensor, bool]:
-    """L⁻¹ with LLᵀ = BᵀB, per frame, so that G = B·L⁻ᵀ is orthonormal, and whether any
-    frame was ill-conditioned. F = [A; B] is orthonormal up to its float32 rounding, so
-    BᵀB = I − AᵀA (float64, k × k) where a pivot is at least 0.1; a weaker frame (2k near
-    d puts eigenvalues of AᵀA near 1, where the rounding would show) takes L = Rᵀ from a
-    float64 QR of its own B. Every trace depends on the span of G only."""
-    k = a.shape[-1]
-    eye = torch.eye(k, dtype=torch.float64, device=a.device)
-    a64 = a.double()
-    chol, info = torch.linalg.cholesky_ex(eye - a64.mT @ a64)
-    weak = ((info != 0) | (chol.diagonal(dim1=-2, dim2=-1).amin(-1) < 0.1)).nonzero().flatten()
-    if weak.numel():
-        chol[weak] = torch.linalg.qr(b[weak].double()).R.mT
-    inv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
-    return inv.to(a.dtype), bool(weak.numel())

@@ -54,7 +54,7 @@ def test_site_frames_equal_explicit_projection():
     s, mu = m.covariance(), m.mean
     site = C.SiteFrames(s, b.basis_, rank_one=mu)
     draws = site.null(n, 5, normal=True, squares=True)
-    uniform, normal = _explicit_controls(site, C.control_frames(d, k, n, 5)[0])
+    uniform, normal = _explicit_controls(site, C.control_frames(d, k, n, 5).frames)
     eye = torch.eye(k, dtype=torch.float64).expand(n, k, k)
     torch.testing.assert_close(normal.mT @ normal, eye)
     torch.testing.assert_close(b.basis_.T @ normal, torch.zeros(n, k, k, dtype=torch.float64))
@@ -255,9 +255,10 @@ def test_tangent_tests_reports_both_kinds_of_controls():
 def test_control_frames_are_drawn_once_and_reused_across_sites():
     gen = torch.Generator().manual_seed(10)
     d, k = 32, 4
-    frames, squares = C.control_frames(d, k, 300, 11)
-    assert C.control_frames(d, k, 300, 11)[0] is frames
-    torch.testing.assert_close(squares, frames.pow(2).sum(-1))
+    draw = C.control_frames(d, k, 300, 11)
+    frames = draw.frames
+    assert C.control_frames(d, k, 300, 11) is draw
+    torch.testing.assert_close(draw.squares, frames.pow(2).sum(-1))
     eye = torch.eye(k, dtype=torch.float64).expand(300, k, k)
     torch.testing.assert_close(frames.double().mT @ frames.double(), eye, atol=1e-6, rtol=0)
     # two sites, one draw: each site's null is its own matrix over the same frames
@@ -275,7 +276,7 @@ def test_control_frames_are_drawn_once_and_reused_across_sites():
     cache(8, 2, 10, 1)
     assert cache(8, 2, 10, 0) is a  # a hit refreshes the entry...
     cache(8, 2, 10, 2)  # ...so seed 1, the least recently used, goes
-    assert cache(8, 2, 10, 0) is a and list(cache._frames) == [(8, 2, 10, 2), (8, 2, 10, 0)]
+    assert cache(8, 2, 10, 0) is a and list(cache._sets) == [(8, 2, 10, 2), (8, 2, 10, 0)]
 
 
 def test_ten_thousand_controls_are_practical():
@@ -336,7 +337,7 @@ def test_normal_controls_at_half_the_dimension():
     site = C.SiteFrames(m.covariance(), b.basis_, rank_one=m.mean)
     draws = site.null(n, 0, normal=True, squares=True)
     assert all(bool(torch.isfinite(v).all()) for v in draws.values())
-    _, normal = _explicit_controls(site, C.control_frames(d, k, n, 0)[0])
+    _, normal = _explicit_controls(site, C.control_frames(d, k, n, 0).frames)
     fsf = normal.mT @ m.covariance() @ normal
     torch.testing.assert_close(
         draws["tr_normal"], fsf.diagonal(dim1=1, dim2=2).sum(1), rtol=1e-4, atol=1e-6
