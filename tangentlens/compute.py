@@ -33,10 +33,10 @@ from typing import Any, TypeVar
 import numpy as np
 import scipy.linalg.cython_lapack
 import torch
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController, threadpool_limits
 from torch import Tensor
 
-__all__ = ["site_map", "threads", "top_eigh"]
+__all__ = ["site_map", "threads", "top_eigh", "tridiagonal_apply", "tridiagonalize"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -72,14 +72,52 @@ def site_map(fn: Callable[[T], R], items: Sequence[T]) -> Iterator[R]:
 
 
 @cache
-def _dsyevr() -> Any:
-    """LAPACK's ``dsyevr`` from scipy's Cython table, callable with the GIL released."""
-    capsule = scipy.linalg.cython_lapack.__pyx_capi__["dsyevr"]
-    name = ctypes.pythonapi.PyCapsule_GetName
-    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+def _lapack(name: str) -> Any:
+    """LAPACK routine ``name`` from scipy's Cython table, called with the GIL released.
+    Arguments are passed as pointers (`ctypes`), in LAPACK's column-major convention."""
+    capsule = scipy.linalg.cython_lapack.__pyx_capi__[name]
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
     pointer = ctypes.pythonapi.PyCapsule_GetPointer
     pointer.restype, pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    return ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 21)(pointer(capsule, name(capsule)))
+    n_args = get_name(capsule).count(b"*")  # every argument is a pointer
+    return ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * n_args)(pointer(capsule, get_name(capsule)))
+
+
+@cache
+def _blas() -> ThreadpoolController:
+    """The BLAS libraries loaded once scipy's LAPACK is (read once: 30 µs a limit)."""
+    _lapack("dsytrd")
+    return ThreadpoolController()
+
+
+def _call(name: str, *args: Any) -> None:
+    """Call LAPACK ``name`` with ``args``: bytes (characters), ints, numpy arrays (their
+    buffers), and its ``info`` last; raise on a nonzero ``info``. On one BLAS thread:
+    these reductions are memory-bound, and OpenBLAS's threads on a busy core made a
+    reduction at d = 576 ten times slower (measured: ~1 s against 0.1 s a site)."""
+    info = ctypes.c_int(0)
+    held = [ctypes.c_int(a) if isinstance(a, int) else a for a in args]
+    with _blas().limit(limits=1, user_api="blas"):
+        _lapack(name)(
+            *(a if isinstance(a, bytes) else a.ctypes.data if isinstance(a, np.ndarray)
+              else ctypes.byref(a) for a in held),
+            ctypes.byref(info),
+        )  # fmt: skip
+    if info.value != 0:
+        raise RuntimeError(f"LAPACK {name} failed (info={info.value}).")
+
+
+def _with_workspace(name: str, *args: Any, integer: bool = False) -> None:
+    """Call ``name`` twice: a workspace query (sizes -1), then with the sizes it asked
+    for. ``args`` ends with the workspace arrays' places: ``work, lwork`` (and
+    ``iwork, liwork`` with ``integer``), which this fills."""
+    query = [np.empty(1), -1] + ([np.empty(1, np.intc), -1] if integer else [])
+    _call(name, *args, *query)
+    sizes = [np.empty(int(query[0][0])), int(query[0][0])]
+    if integer:
+        sizes += [np.empty(int(query[2][0]), np.intc), int(query[2][0])]
+    _call(name, *args, *sizes)
 
 
 def top_eigh(matrix: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -92,25 +130,33 @@ def top_eigh(matrix: Tensor, n: int) -> tuple[Tensor, Tensor]:
         return evals.flip(0)[:n], evecs.flip(1)[:, :n]
     d = matrix.shape[0]
     a = matrix.contiguous().numpy()  # symmetric: its row order is LAPACK's column order
-    w, z, support = np.empty(d), np.empty((n, d)), np.empty(2 * n, np.intc)
-    found, info, bound = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_double(0.0)
-
-    def call(work: np.ndarray, iwork: np.ndarray, lwork: int, liwork: int) -> None:
-        ints = [ctypes.c_int(v) for v in (d, d, d - n + 1, d, d, lwork, liwork)]
-        ref = [ctypes.byref(i) for i in ints]
-        _dsyevr()(
-            b"V", b"I", b"U", ref[0], a.ctypes.data, ref[1],
-            ctypes.byref(bound), ctypes.byref(bound), ref[2], ref[3],  # vl, vu, il, iu
-            ctypes.byref(bound), ctypes.byref(found), w.ctypes.data,  # abstol 0: default
-            z.ctypes.data, ref[4], support.ctypes.data, work.ctypes.data, ref[5],
-            iwork.ctypes.data, ref[6], ctypes.byref(info),
-        )  # fmt: skip
-        if info.value != 0:
-            raise RuntimeError(f"LAPACK dsyevr failed (info={info.value}) on a {d}x{d} matrix.")
-
-    work, iwork = np.empty(1), np.empty(1, np.intc)
-    call(work, iwork, -1, -1)  # workspace query
-    work, iwork = np.empty(int(work[0])), np.empty(int(iwork[0]), np.intc)
-    call(work, iwork, work.size, iwork.size)
+    w, z = np.empty(d), np.empty((n, d))  # z row-major (n, d) is LAPACK's (d, n)
+    bound, found = ctypes.c_double(0.0), ctypes.c_int(0)  # vl, vu, abstol (0: default)
+    args = (b"V", b"I", b"U", d, a, d, bound, bound, d - n + 1, d, bound, found, w, z, d)
+    _with_workspace("dsyevr", *args, np.empty(2 * n, np.intc), integer=True)
     # z's rows are LAPACK's columns: eigenvectors, ascending; flip to descending
     return torch.from_numpy(w[:n][::-1].copy()), torch.from_numpy(z[::-1].T.copy())
+
+
+def tridiagonalize(matrix: Tensor) -> tuple[Tensor, Tensor, tuple[np.ndarray, np.ndarray]]:
+    """``(α, β, reduction)`` with QᵀAQ tridiagonal (diagonal α, off-diagonal β) for the
+    symmetric float64 CPU ``matrix`` A, by Householder reflections (LAPACK ``dsytrd``,
+    about half a full eigendecomposition). Q keeps the first coordinate: Q e₁ = e₁.
+    ``reduction`` (the reflectors, in ``matrix``'s overwritten buffer, and their scalars)
+    is what `tridiagonal_apply` reads."""
+    n = matrix.shape[0]
+    a = matrix.contiguous().numpy()  # lower in LAPACK's column order: e₁ stays fixed
+    alpha, beta, tau = np.empty(n), np.empty(max(n - 1, 0)), np.empty(max(n - 1, 1))
+    _with_workspace("dsytrd", b"L", n, a, n, alpha, beta, tau)
+    return torch.from_numpy(alpha), torch.from_numpy(beta), (a, tau)
+
+
+def tridiagonal_apply(reduction: tuple[np.ndarray, np.ndarray], c: Tensor) -> Tensor:
+    """``c @ Q`` for the Q of a `tridiagonalize` ``reduction`` and a float64 CPU ``c``
+    ``(m, n)`` (LAPACK ``dormtr``)."""
+    a, tau = reduction
+    n = a.shape[0]
+    out = c.to(torch.float64).contiguous().clone().numpy()  # row-major c is LAPACK's cᵀ
+    if n > 1 and out.size:
+        _with_workspace("dormtr", b"L", b"L", b"T", n, out.shape[0], a, n, tau, out, n)
+    return torch.from_numpy(out)

@@ -3,8 +3,9 @@ controls of `tangentlens.significance`, kept apart from the tests that read them
 
 A control is a Haar-random k-frame F. Every quantity the tests need is ``tr(FᵀMF)``,
 ``tr(FᵀM²F)`` or ``‖FᵀMF‖²_F`` for a symmetric d × d M. `SiteFrames` takes one
-eigendecomposition of M on the complement of Q_T, which puts M in coordinates
-W = [Q_T, V] where it is an arrow (a k × k block, a k × (d − k) border, a diagonal). A
+tridiagonal reduction of M on the complement of Q_T, which puts M in coordinates
+W = [Q_T, U] where it is an arrow (a k × k block, a k × (d − k) border, a tridiagonal
+block). A
 Haar frame drawn directly in W is Haar (uniform controls), and its complement rows,
 orthonormalised, are Haar in the complement (the paper's normal controls), so both kinds
 come from one draw at O(d·k²) each. The frames are drawn once per (d, k, n, seed) and
@@ -15,16 +16,19 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .compute import tridiagonal_apply, tridiagonalize
 
 __all__ = [
     "NULL_DTYPE",
     "ControlSet",
     "FrameCache",
+    "Rows",
     "SiteFrames",
-    "canonical_vectors",
     "control_frames",
     "draw_frames",
 ]
@@ -33,7 +37,7 @@ CHUNK = 512  # frames per batch of algebra
 CACHE_BYTES = 512 * 2**20
 NULL_DTYPE = torch.float32
 """The controls' traces: relative error ~1e-6, far inside their Monte-Carlo error, at half
-the cost of float64 (the eigendecomposition and the tangent statistics stay float64)."""
+the cost of float64 (the reduction and the tangent statistics stay float64)."""
 
 
 def draw_frames(dim: int, k: int, n: int, seed: int) -> Tensor:
@@ -57,34 +61,61 @@ def draw_frames(dim: int, k: int, n: int, seed: int) -> Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Per frame: ``main`` (the frames, or L⁻¹ for normal controls) and the frames' rows'
+    squared norms ``sq`` and products with the next row (``lag1``) and the one after
+    (``lag2``): tr(FᵀKF) and tr(FᵀK²F) for a tridiagonal K are then mat-vecs."""
+
+    main: Tensor
+    sq: Tensor
+    lag1: Tensor
+    lag2: Tensor
+
+    @classmethod
+    def of(cls, main: Tensor, rows: Tensor) -> Rows:
+        """``main`` with the row products of ``rows`` ``(n, dim, k)``."""
+        sq, lag1 = rows.pow(2).sum(-1), (rows[:, :-1] * rows[:, 1:]).sum(-1)
+        return cls(main, sq, lag1, (rows[:, :-2] * rows[:, 2:]).sum(-1))
+
+    def sliced(self, start: int, stop: int) -> Rows:
+        return Rows(*(t[start:stop] for t in (self.main, self.sq, self.lag1, self.lag2)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.main, self.sq, self.lag1, self.lag2))
+
+
 class ControlSet:
-    """One draw of ``n`` uniform k-frames F = [A; B] of R^dim (`draw_frames`), with what
-    every site reads of them: the squared row norms ‖F_i‖² (Σλᵢ‖F_i‖² over all frames is
-    a mat-vec) and, for normal controls, L⁻¹ with LLᵀ = BᵀB and the squared row norms of
-    G = B·L⁻ᵀ. L comes from a float64 QR of B (G = the QR's Q), once per draw: exact
-    however ill-conditioned B is (2k near d), and no site pays for it again."""
+    """One draw of ``n`` uniform k-frames F = [A; B] of R^dim (`draw_frames`) with what
+    every site reads of them (`Rows`) and, for normal controls, L⁻¹ with LLᵀ = BᵀB and
+    the rows of G = B·L⁻ᵀ. L comes from a float64 QR of B (G is the QR's Q), once per
+    draw: exact however ill-conditioned B is (2k near d), and no site pays for it."""
 
     def __init__(self, frames: Tensor) -> None:
         self.frames = frames
-        self.squares = frames.pow(2).sum(-1)
-        self._normal: tuple[Tensor, Tensor] | None = None
+        self._uniform = Rows.of(frames, frames)
+        self._normal: Rows | None = None
         self._lock = threading.Lock()
 
-    def normal(self) -> tuple[Tensor, Tensor]:
-        """``(L⁻¹ (n, k, k), ‖G_i‖² (n, dim − k))`` in `NULL_DTYPE`, computed on first use."""
+    def rows(self, start: int, stop: int) -> Rows:
+        """The uniform frames ``start:stop`` with their row products."""
+        return self._uniform.sliced(start, stop)
+
+    def normal(self) -> Rows:
+        """L⁻¹ ``(n, k, k)`` with G's row products, in `NULL_DTYPE`, made on first use."""
         with self._lock:
             if self._normal is None:
                 k = self.frames.shape[-1]
                 g, r = torch.linalg.qr(self.frames[:, k:].double())  # G R = B: L = Rᵀ
                 eye = torch.eye(k, dtype=torch.float64).expand_as(r)
                 inv = torch.linalg.solve_triangular(r.mT, eye, upper=False)
-                self._normal = (inv.to(NULL_DTYPE), g.pow(2).sum(-1).to(NULL_DTYPE))
+                self._normal = Rows.of(inv.to(NULL_DTYPE), g.to(NULL_DTYPE))
             return self._normal
 
     @property
     def nbytes(self) -> int:
-        extra = sum(t.nbytes for t in self._normal) if self._normal is not None else 0
-        return self.frames.nbytes + self.squares.nbytes + extra
+        return self._uniform.nbytes + (0 if self._normal is None else self._normal.nbytes)
 
 
 class FrameCache:
@@ -115,60 +146,87 @@ control_frames = FrameCache(CACHE_BYTES)
 
 
 class SiteFrames:
-    """Matched-rank controls of one site, in coordinates W = [Q_T, V] of a symmetric M:
-    V the eigenvectors of M on the complement of Q_T, eigenvalues Λ.
+    """Matched-rank controls of one site, in coordinates W = [Q_T, U] of a symmetric M:
+    U an orthonormal basis of the complement of Q_T in which M is tridiagonal.
 
-    In W, M is an arrow: T = Q_TᵀMQ_T (k × k), X = Q_TᵀMV (k × (d − k)) and Λ. A uniform
-    control is a Haar frame F = [A; B] of R^d (A its first k rows), exact in any fixed
-    coordinates; a normal control is G = B·L⁻ᵀ with LLᵀ = BᵀB, whose span is Haar in the
-    complement. Every trace then costs k × k algebra after two products of B with
-    (d − k) × k matrices (`_null_traces`; what the normal controls need of L is
-    computed once per draw, `ControlSet`), and one eigendecomposition serves the energy
-    test (αM + mmᵀ: the second moment is the covariance plus the mean's outer product)
-    and the isotropy test (βM) with both kinds of controls.
+    In W, M is an arrow: T = Q_TᵀMQ_T (k × k), X = Q_TᵀMU (k × (d − k)) and a tridiagonal
+    K (diagonal α, off-diagonal β). A uniform control is a Haar frame F = [A; B] of R^d
+    (A its first k rows), exact in any fixed coordinates; a normal control is G = B·L⁻ᵀ
+    with LLᵀ = BᵀB, whose span is Haar in the complement. Every trace then costs k × k
+    algebra after two products of B with (d − k) × k matrices and band sums over the
+    frames' rows (`_null_traces`; what normal controls need of L, and the rows' products
+    with their neighbours, are computed once per draw, `ControlSet`). One reduction serves
+    the energy test (αM + rrᵀ: the second moment is the covariance plus the mean's outer
+    product) and the isotropy test (βM) with both kinds of controls.
 
-    V comes from one eigendecomposition of PMP + σQ_TQ_Tᵀ (P = I − Q_TQ_Tᵀ, σ = 2‖M‖_F
-    above every eigenvalue of PMP): its bottom d − k eigenvectors are V, so no basis of
-    the complement is formed. ``rank_one`` (the mean, whose outer product turns the
-    covariance M into the second moment) is kept in W for the energy test."""
+    U = C·H·Q_K is never formed: C the complement columns of the Householder QR of Q_T
+    (applied to M in compact WY form, O(d²k)), H a reflection that makes ``rank_one``'s
+    part in the complement the first coordinate, Q_K LAPACK's tridiagonal reduction
+    (`compute.tridiagonalize`: half an eigendecomposition), which keeps that coordinate.
+    So where M has a null space (fewer samples than d), ``rank_one`` lies in the first
+    coordinate and what is left of the null space is invisible to every trace: choices
+    made there at rounding level (which differ with the BLAS or the thread count) cannot
+    move a p-value. Computed on the CPU in float64, the traces in `NULL_DTYPE`."""
 
     def __init__(self, m: Tensor, q_t: Tensor, rank_one: Tensor | None = None) -> None:
+        m, q_t = (t.detach().to("cpu", torch.float64) for t in (m, q_t))
         d, k = q_t.shape
+        self.d, self.k, self.q_t = d, k, q_t
         m = (m + m.T) / 2
-        mq = m @ q_t
-        self.k = k
-        self.t = q_t.T @ mq
-        pmp = m - q_t @ mq.T - mq @ q_t.T + q_t @ self.t @ q_t.T
-        sigma = 2 * float(torch.linalg.matrix_norm(m)) or 1.0
-        lam, v = torch.linalg.eigh(pmp + sigma * (q_t @ q_t.T))
-        lam = lam[: d - k]
-        self.v = canonical_vectors(v[:, : d - k], lam, rank_one, sigma)
-        self.q_t = q_t
-        # float32 copies scaled to ‖M‖_F = 1, eigenvalues under 1e-12 of it set to 0:
+        self.t = q_t.T @ m @ q_t
+        self._wy = v, tri, signs = _householder_wy(q_t)
+        y = m @ v @ tri
+        u = y - v @ (tri.T @ (v.T @ y)) / 2
+        mh = m - u @ v.T - v @ u.T  # HᵀMH with H = I − V T Vᵀ: [Q_T·diag(signs), C]
+        x0, block = signs[:, None] * mh[:k, k:], mh[k:, k:].contiguous()
+        self._reflection = None
+        if rank_one is not None:
+            r = rank_one.detach().to("cpu", torch.float64)
+            r_c = (r - v @ (tri.T @ (v.T @ r)))[k:]
+            self._reflection = _reflector(r_c)
+            block, x0, r_c = _reflected(self._reflection, block, x0, r_c)
+        alpha, beta, self._reduction = tridiagonalize(block)
+        x = tridiagonal_apply(self._reduction, x0)
+        # float32 copies scaled to ‖M‖_F = 1, entries under 1e-12 of it set to 0:
         # gradients' tiny second moments squared would otherwise be float32 denormals,
         # slow to multiply (measured: 62 ms against 30 ms a chunk of 512 controls)
-        self.scale = sigma / 2
-        lam = torch.where(lam.abs() < 1e-12 * self.scale, 0.0, lam) / self.scale
-        x = mq.T @ self.v / self.scale
-        low = {"lam": lam, "x": x, "t": self.t / self.scale, "xxt": x @ x.T}
+        self.scale = float(torch.linalg.matrix_norm(m)) or 1.0
+        alpha, beta = (
+            torch.where(b.abs() < 1e-12 * self.scale, 0.0, b) / self.scale for b in (alpha, beta)
+        )
+        x = x / self.scale
+        xk = x * alpha
+        xk[:, 1:] += x[:, :-1] * beta
+        xk[:, :-1] += x[:, 1:] * beta
+        low = {"alpha": alpha, "beta": beta, "x": x, "xk": xk, "t": self.t / self.scale}
+        low |= {"xxt": x @ x.T, "k2": _squared_bands(alpha, beta)}
         if rank_one is not None:
             root = self.scale**0.5
-            low |= {"m_t": q_t.T @ rank_one / root, "m_c": self.v.T @ rank_one / root}
-        self.low = {key: value.to(NULL_DTYPE) for key, value in low.items()}
+            m_c = tridiagonal_apply(self._reduction, r_c[None])[0]
+            low |= {"m_t": q_t.T @ r / root, "m_c": m_c / root}
+        self.low = {key: _low(value) for key, value in low.items()}
+
+    def complement_basis(self) -> Tensor:
+        """U ``(d, d − k)`` explicitly, at O(d³): for checks; the tests never form it."""
+        v, tri, _ = self._wy
+        c = (torch.eye(self.d, dtype=torch.float64) - v @ tri @ v.T)[:, self.k :]
+        if self._reflection is not None:
+            u, p = self._reflection
+            c = c - p * torch.outer(c @ u, u)
+        return tridiagonal_apply(self._reduction, c)
 
     def null(self, n: int, seed: int, *, normal: bool, squares: bool) -> dict[str, Tensor]:
         """Per control, over the cached frames of (d, k, n, seed): ``tr`` = tr(FᵀMF) and,
         with ``squares``, ``tr2`` = tr(FᵀM²F) and ``frob`` = ‖FᵀMF‖²_F; with a
         ``rank_one`` r, ``m`` = ‖Fᵀr‖²; the same with suffix ``_normal`` for normal
         controls. float64, computed in `NULL_DTYPE`."""
-        draw = control_frames(self.v.shape[0], self.k, n, int(seed))
-        inv, sq_g = draw.normal() if normal else (None, None)
+        draw = control_frames(self.d, self.k, n, int(seed))
+        rows = draw.normal() if normal else None
         parts = [
             _null_traces(
                 self,
-                draw.frames[i : i + CHUNK],
-                draw.squares[i : i + CHUNK],
-                None if inv is None else (inv[i : i + CHUNK], sq_g[i : i + CHUNK]),
+                draw.rows(i, i + CHUNK),
+                None if rows is None else rows.sliced(i, i + CHUNK),
                 squares,
             )
             for i in range(0, n, CHUNK)
@@ -181,44 +239,69 @@ class SiteFrames:
         }
 
 
-def canonical_vectors(v: Tensor, lam: Tensor, rank_one: Tensor | None, scale: float) -> Tensor:
-    """Eigenvectors that do not depend on LAPACK's choices, so that the controls'
-    realisation (hence each p-value) does not change with the BLAS or thread count: each
-    column's largest-magnitude entry is positive, and in the null space of M (eigenvalues
-    ≤ d·ε·scale: fewer samples than d) the first vector is ``rank_one``'s direction there,
-    the only direction of that space any trace sees."""
-    pivots = v[v.abs().argmax(0), torch.arange(v.shape[1])]
-    v = v * torch.where(pivots < 0, -1.0, 1.0).to(v)
-    null = (lam.abs() <= v.shape[0] * torch.finfo(v.dtype).eps * scale).nonzero().flatten()
-    if rank_one is None or null.numel() < 2:
-        return v
-    block = v[:, null]
-    z = block.T @ rank_one.to(v)
-    if float(z.norm()) == 0:
-        return v
-    u = z / z.norm()
-    u[0] -= 1  # Householder reflection that swaps z/|z| and e_1
-    if float(u.norm()) > 0:
-        block = block - 2 * torch.outer(block @ u, u) / (u @ u)
-    v = v.clone()
-    v[:, null] = block
-    return v
+def _low(value: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+    if isinstance(value, tuple):
+        return tuple(v.to(NULL_DTYPE) for v in value)
+    return value.to(NULL_DTYPE)
+
+
+def _householder_wy(q_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(V, T, signs)`` with H = I − V T Vᵀ the Householder QR's Q of the orthonormal
+    ``q_t`` (compact WY form, LAPACK's ``larft`` recurrence): H's first k columns are
+    q_t·diag(signs), the rest a basis of its complement."""
+    k = q_t.shape[1]
+    a, tau = torch.geqrf(q_t)
+    v = torch.tril(a, -1)
+    v[:k].diagonal().fill_(1.0)
+    tri = torch.zeros(k, k, dtype=q_t.dtype)
+    for i in range(k):
+        tri[i, i] = tau[i]
+        tri[:i, i] = -tau[i] * (tri[:i, :i] @ (v[:, :i].T @ v[:, i]))
+    signs = torch.where(a.diagonal() < 0, -1.0, 1.0).to(q_t.dtype)
+    return v, tri, signs
+
+
+def _reflector(r: Tensor) -> tuple[Tensor, float] | None:
+    """``(u, 2/uᵀu)``: the reflection I − (2/uᵀu)·uuᵀ that maps ``r`` onto a multiple of
+    e₁; None when ``r`` is 0."""
+    norm = float(r.norm())
+    if norm == 0:
+        return None
+    u = r.clone()
+    u[0] += norm if float(r[0]) >= 0 else -norm
+    return u, 2 / float(u @ u)
+
+
+def _reflected(
+    reflection: tuple[Tensor, float] | None, block: Tensor, x0: Tensor, r: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """H·block·H, x0·H and H·r for the reflection H of `_reflector` (none: unchanged)."""
+    if reflection is None:
+        return block, x0, r
+    u, p = reflection
+    w = p * (block @ u)
+    z = w - (p / 2) * (u @ w) * u
+    block = block - torch.outer(u, z) - torch.outer(z, u)
+    return block.contiguous(), x0 - p * torch.outer(x0 @ u, u), r - p * (u @ r) * u
+
+
+def _squared_bands(alpha: Tensor, beta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The diagonal and the first two off-diagonals of K² for the tridiagonal K."""
+    zero = beta.new_zeros(1)
+    left, right = torch.cat([zero, beta]), torch.cat([beta, zero])
+    return alpha**2 + left**2 + right**2, beta * (alpha[:-1] + alpha[1:]), beta[:-1] * beta[1:]
 
 
 def _null_traces(
-    site: SiteFrames,
-    f: Tensor,
-    sq: Tensor,
-    normal: tuple[Tensor, Tensor] | None,
-    squares: bool,
+    site: SiteFrames, f: Rows, normal: Rows | None, squares: bool
 ) -> dict[str, Tensor]:
-    """One chunk of `SiteFrames.null` (see there for the names), in `NULL_DTYPE`:
-    frames ``f`` with squared row norms ``sq`` and, for normal controls, their
-    ``(L⁻¹, ‖G_i‖²)`` (`ControlSet.normal`)."""
-    low = site.low
-    lam, x, t = low["lam"], low["x"], low["t"]
-    k = site.k
-    a, b, sq_b = f[:, :k], f[:, k:], sq[:, k:]
+    """One chunk of `SiteFrames.null` (see there for the names), in `NULL_DTYPE`, from the
+    uniform frames' `Rows` and, for normal controls, L⁻¹ with G's `Rows`."""
+    low, k = site.low, site.k
+    alpha, beta, x, t = low["alpha"], low["beta"], low["x"], low["t"]
+    a, b = f.main[:, :k], f.main[:, k:]
+    # the complement rows' products, for band sums against K and K²
+    b_rows = Rows(b, f.sq[:, k:], f.lag1[:, k:], f.lag2[:, k:])
 
     def tr(z: Tensor) -> Tensor:
         return z.diagonal(dim1=-2, dim2=-1).sum(-1)
@@ -226,27 +309,35 @@ def _null_traces(
     def dot(y: Tensor, z: Tensor) -> Tensor:
         return (y * z).sum((-2, -1))
 
+    def band(rows: Rows, diagonal: Tensor, off1: Tensor, off2: Tensor | None = None) -> Tensor:
+        """tr(RᵀSR) for the rows R of ``rows`` and a symmetric band S."""
+        out = rows.sq @ diagonal + 2 * (rows.lag1 @ off1)
+        return out if off2 is None else out + 2 * (rows.lag2 @ off2)
+
     ata = a.mT @ t @ a
-    # X B and, for the squares, X Λ B: one product with the rows stacked
-    stacked = (torch.cat([x, x * lam]) if squares else x) @ b
+    # X B and, for the squares, X K B: one product with the rows stacked
+    stacked = (torch.cat([x, low["xk"]]) if squares else x) @ b
     p = stacked[:, :k]
-    out = {"tr": tr(ata) + 2 * dot(a, p) + sq_b @ lam}
+    out = {"tr": tr(ata) + 2 * dot(a, p) + band(b_rows, alpha, beta)}
     if "m_t" in low:
         bm = b.mT @ low["m_c"]  # (n, k)
         out["m"] = (a.mT @ low["m_t"] + bm).pow(2).sum(-1)
     if squares:
-        kb = b.mT @ (lam[:, None] * b)  # BᵀΛB
-        r = stacked[:, k:]  # XΛB
+        kb = b * alpha[:, None]  # K B, K tridiagonal
+        kb[:, :-1].addcmul_(b[:, 1:], beta[:, None])
+        kb[:, 1:].addcmul_(b[:, :-1], beta[:, None])
+        kb = b.mT @ kb  # BᵀKB
+        r = stacked[:, k:]  # XKB
         out["tr2"] = (t @ a + p).pow(2).sum((-2, -1)) + dot(a, low["xxt"] @ a) + 2 * dot(a, r)
-        out["tr2"] = out["tr2"] + sq_b @ lam**2
+        out["tr2"] = out["tr2"] + band(b_rows, *low["k2"])
         out["frob"] = (ata + a.mT @ p + p.mT @ a + kb).pow(2).sum((-2, -1))
     if normal is not None:
-        inv, sq_g = normal  # G = B L⁻ᵀ
-        out["tr_normal"] = sq_g @ lam
+        inv = normal.main  # G = B L⁻ᵀ
+        out["tr_normal"] = band(normal, alpha, beta)
         if "m_t" in low:
             out["m_normal"] = (inv @ bm[..., None]).pow(2).sum((-2, -1))
         if squares:
-            gkg = inv @ kb @ inv.mT  # GᵀΛG
-            out["tr2_normal"] = sq_g @ lam**2 + (p @ inv.mT).pow(2).sum((-2, -1))
+            gkg = inv @ kb @ inv.mT  # GᵀKG
+            out["tr2_normal"] = band(normal, *low["k2"]) + (p @ inv.mT).pow(2).sum((-2, -1))
             out["frob_normal"] = gkg.pow(2).sum((-2, -1))
     return out

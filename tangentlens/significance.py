@@ -7,12 +7,12 @@ random k-frame in the complement of Q_T (the paper's control). It is a closed fo
 it does not depend on the controls, the seed or their number.
 
 Gram trick. Both tests read only d×d statistics: a control costs O(d·k²), never
-another pass over tokens (`tangentlens.controls`: one eigendecomposition per site serves
-both tests and both kinds of controls, since the energy test's second moment is the
+another pass over tokens (`tangentlens.controls`: one tridiagonal reduction per site
+serves both tests and both kinds of controls, since the energy test's second moment is the
 covariance plus the mean's outer product and the isotropy test's covariance is the same
-matrix scaled by n/(n − 1)). Measured at d = 576, k = 16, 1,000 controls, one thread:
-~90 ms per site for everything `tangent_tests` reports, against ~280 ms with the four
-eigendecompositions this replaced.
+matrix scaled by n/(n − 1)). Measured at d = 576, k = 16, 1,000 controls, one thread (CPU
+time): ~73 ms per site for everything `tangent_tests` reports, against ~280 ms with the
+four eigendecompositions this replaced.
 
 Controls. ``controls="uniform"`` (the default) draws frames from the whole space, which
 makes Q_T exchangeable with the controls under any rotation-invariant null, so its
@@ -29,10 +29,10 @@ here is 1,000.
 Frame reuse. The frames depend only on (d, k, n_controls, seed); they are drawn once and
 reused across sites and tests (`controls.control_frames`). The controls' traces are
 float32 (relative error ~1e-6, far inside their Monte-Carlo error); the tangent
-statistics, the eigendecomposition and the closed forms are float64. Coordinates are
-canonical (`controls.canonical_vectors`), so a p-value does not move with the BLAS or the
-thread count. Each site's p-value is exact; p-values of different sites share their
-controls, so they are dependent.
+statistics, the tridiagonal reduction and the closed forms are float64. The coordinates
+leave nothing a trace reads to rounding-level choices (`controls.SiteFrames`), so a
+p-value does not move with the BLAS or the thread count. Each site's p-value is exact;
+p-values of different sites share their controls, so they are dependent.
 """
 
 from __future__ import annotations
@@ -447,7 +447,7 @@ def tangent_tests(
     the controls) use uniform controls: exact. ``p_value_normal``, ``delta_iso_normal``
     and ``isotropy_p_value_normal`` use the paper's normal controls (labelled, so no
     warning; left out when 2k > d, where no normal control fits). ``normalized_ratio``
-    needs ``activation_moments``. One eigendecomposition serves all of them (two with a
+    needs ``activation_moments``. One tridiagonal reduction serves all of them (two with a
     ``reference``), and the same controls as `energy_test` and `isotropy_test`.
     """
     _check_inputs(gradient_moments, basis, n_controls, "uniform")

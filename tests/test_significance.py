@@ -34,12 +34,12 @@ def _grads(n, d, gen, scales=None):
 
 def _explicit_controls(site, frames):
     """The controls `controls.SiteFrames` works with, as explicit (n, d, k) frames: uniform W F
-    and normal V B L⁻ᵀ (LLᵀ = BᵀB)."""
-    k, frames = site.k, frames.double()
-    uniform = torch.cat([site.q_t, site.v], 1) @ frames
+    and normal U B L⁻ᵀ (LLᵀ = BᵀB)."""
+    k, frames, u = site.k, frames.double(), site.complement_basis()
+    uniform = torch.cat([site.q_t, u], 1) @ frames
     b = frames[:, k:]
     chol = torch.linalg.cholesky(b.mT @ b)
-    normal = site.v @ torch.linalg.solve_triangular(chol, b.mT, upper=False).mT
+    normal = u @ torch.linalg.solve_triangular(chol, b.mT, upper=False).mT
     return uniform, normal
 
 
@@ -258,7 +258,14 @@ def test_control_frames_are_drawn_once_and_reused_across_sites():
     draw = C.control_frames(d, k, 300, 11)
     frames = draw.frames
     assert C.control_frames(d, k, 300, 11) is draw
-    torch.testing.assert_close(draw.squares, frames.pow(2).sum(-1))
+    rows = draw.rows(0, 300)  # the row products the band sums read
+    torch.testing.assert_close(rows.sq, frames.pow(2).sum(-1))
+    torch.testing.assert_close(
+        rows.lag1, torch.einsum("nik,nik->ni", frames[:, :-1], frames[:, 1:])
+    )
+    torch.testing.assert_close(
+        rows.lag2, torch.einsum("nik,nik->ni", frames[:, :-2], frames[:, 2:])
+    )
     eye = torch.eye(k, dtype=torch.float64).expand(300, k, k)
     torch.testing.assert_close(frames.double().mT @ frames.double(), eye, atol=1e-6, rtol=0)
     # two sites, one draw: each site's null is its own matrix over the same frames
@@ -271,7 +278,8 @@ def test_control_frames_are_drawn_once_and_reused_across_sites():
         h = m.second_moment()
         expected = (uniform.mT @ h @ uniform).diagonal(dim1=1, dim2=2).sum(1) / torch.trace(h)
         torch.testing.assert_close(r.null_shares, expected, rtol=2e-6, atol=1e-7)
-    cache = C.FrameCache(max_bytes=2 * (10 * 8 * 2 * 4 + 10 * 8 * 4))  # two float32 (10, 8, 2) sets
+    # two float32 (10, 8, 2) sets, with their rows' squares and products (lags 1 and 2)
+    cache = C.FrameCache(max_bytes=2 * 4 * (10 * 8 * 2 + 10 * 8 + 10 * 7 + 10 * 6))
     a = cache(8, 2, 10, 0)
     cache(8, 2, 10, 1)
     assert cache(8, 2, 10, 0) is a  # a hit refreshes the entry...
@@ -342,3 +350,25 @@ def test_normal_controls_at_half_the_dimension():
     torch.testing.assert_close(
         draws["tr_normal"], fsf.diagonal(dim1=1, dim2=2).sum(1), rtol=1e-4, atol=1e-6
     )
+
+
+def test_controls_do_not_see_the_null_space_basis():
+    """Fewer samples than d: M has a null space, where the reduction's basis is left to
+    rounding. Noise at 1e-13 there (what another BLAS or thread count would do) leaves
+    every control's traces as they were: the mean, which the energy test adds, is put in
+    the first complement coordinate, and nothing else reads the null space."""
+    gen = torch.Generator().manual_seed(21)
+    d, k, n = 40, 4, 12
+    b = _basis(d, k, gen)
+    m = Moments().update(_grads(n, d, gen) + 0.3)
+    cov, mu = m.covariance(), m.mean
+    z = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    noisy = cov + 1e-13 * float(cov.norm()) * (z @ z.T) / d
+    draws = [
+        C.SiteFrames(s, b.basis_, rank_one=mu).null(200, 3, normal=True, squares=True)
+        for s in (cov, noisy)
+    ]
+    for key, value in draws[0].items():
+        torch.testing.assert_close(
+            draws[1][key], value, rtol=1e-5, atol=1e-9 * float(value.abs().max())
+        )
