@@ -1,6 +1,6 @@
 """Where the numbers are computed: thread limits for small dense linear algebra,
-independent per-site work side by side, and a partial symmetric eigendecomposition that
-lets them run side by side.
+independent per-site work side by side, and the two symmetric reductions the sites need
+(top eigenpairs, a tridiagonal form), called so that they can run side by side.
 
 Threads that outnumber free cores make d × d eigendecompositions at d ≤ ~1,000 far slower
 and make results depend on scheduling. `benchmarks/bench_threads.py` measures `results()`
@@ -15,10 +15,11 @@ single-threaded: a d × d tridiagonalisation is memory-bound and scales poorly a
 threads, while two sites on two cores run side by side. Each site's numbers are then
 those of one thread, whatever the scheduling.
 
-`top_eigh` computes only the top eigenpairs (LAPACK's MRRR, ``dsyevr``, from scipy's own
-LAPACK). scipy's Python wrapper holds the GIL for the whole call, so two workers would
-take turns; the same routine called through scipy's Cython LAPACK table via `ctypes`
-releases it, and `fit_bases` runs its sites' decompositions side by side.
+`top_eigh` computes only the top eigenpairs (LAPACK's MRRR, ``dsyevr``) for `fit_bases`;
+`tridiagonalize` and `tridiagonal_apply` (``dsytrd``, ``dormtr``) give the coordinates of
+the controls (`tangentlens.controls`). All three come from scipy's own LAPACK, but not
+through its Python wrappers, which hold the GIL for the whole call, so two workers would
+take turns: through scipy's Cython LAPACK table via `ctypes`, which releases it.
 """
 
 from __future__ import annotations
