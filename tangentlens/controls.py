@@ -78,12 +78,21 @@ class Rows:
         sq, lag1 = rows.pow(2).sum(-1), (rows[:, :-1] * rows[:, 1:]).sum(-1)
         return cls(main, sq, lag1, (rows[:, :-2] * rows[:, 2:]).sum(-1))
 
+    @classmethod
+    def cat(cls, parts: list[Rows]) -> Rows:
+        """The frames of ``parts``, in order."""
+        return cls(*(torch.cat(ts) for ts in zip(*(p.tensors for p in parts), strict=True)))
+
+    @property
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self.main, self.sq, self.lag1, self.lag2
+
     def sliced(self, start: int, stop: int) -> Rows:
-        return Rows(*(t[start:stop] for t in (self.main, self.sq, self.lag1, self.lag2)))
+        return Rows(*(t[start:stop] for t in self.tensors))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.main, self.sq, self.lag1, self.lag2))
+        return sum(t.nbytes for t in self.tensors)
 
 
 class ControlSet:
@@ -104,18 +113,24 @@ class ControlSet:
 
     def normal(self) -> Rows:
         """L⁻¹ ``(n, k, k)`` with G's row products, in `NULL_DTYPE`, made on first use."""
-        with self._lock:
+        with self._lock:  # chunked: float64 frames of d = 4096 would take 0.5 GB at once
             if self._normal is None:
-                k = self.frames.shape[-1]
-                g, r = torch.linalg.qr(self.frames[:, k:].double())  # G R = B: L = Rᵀ
-                eye = torch.eye(k, dtype=torch.float64).expand_as(r)
-                inv = torch.linalg.solve_triangular(r.mT, eye, upper=False)
-                self._normal = Rows.of(inv.to(NULL_DTYPE), g.to(NULL_DTYPE))
+                chunks = range(0, len(self.frames), CHUNK)
+                self._normal = Rows.cat([_normal_rows(self.frames[i : i + CHUNK]) for i in chunks])
             return self._normal
 
     @property
     def nbytes(self) -> int:
         return self._uniform.nbytes + (0 if self._normal is None else self._normal.nbytes)
+
+
+def _normal_rows(frames: Tensor) -> Rows:
+    """L⁻¹ and G's row products for ``frames`` F = [A; B]: G R = B (float64 QR), L = Rᵀ."""
+    k = frames.shape[-1]
+    g, r = torch.linalg.qr(frames[:, k:].double())
+    eye = torch.eye(k, dtype=torch.float64).expand_as(r)
+    inv = torch.linalg.solve_triangular(r.mT, eye, upper=False)
+    return Rows.of(inv.to(NULL_DTYPE), g.to(NULL_DTYPE))
 
 
 class FrameCache:
@@ -323,10 +338,11 @@ def _null_traces(
         bm = b.mT @ low["m_c"]  # (n, k)
         out["m"] = (a.mT @ low["m_t"] + bm).pow(2).sum(-1)
     if squares:
-        kb = b * alpha[:, None]  # K B, K tridiagonal
-        kb[:, :-1].addcmul_(b[:, 1:], beta[:, None])
-        kb[:, 1:].addcmul_(b[:, :-1], beta[:, None])
-        kb = b.mT @ kb  # BᵀKB
+        # BᵀKB = BᵀY + YᵀB with Y = (diag(α)/2 + the upper band of K) B: K tridiagonal
+        y = b * (alpha[:, None] / 2)
+        y[:, :-1].addcmul_(b[:, 1:], beta[:, None])
+        kb = b.mT @ y
+        kb = kb + kb.mT
         r = stacked[:, k:]  # XKB
         out["tr2"] = (t @ a + p).pow(2).sum((-2, -1)) + dot(a, low["xxt"] @ a) + 2 * dot(a, r)
         out["tr2"] = out["tr2"] + band(b_rows, *low["k2"])
