@@ -8,7 +8,9 @@ of controls (1000), each repeat measures, interleaved in one process:
 
 - a bare forward+backward of the summed next-token loss;
 - the probe pass (residual + attention + gradient) around the same step, and `results()`;
-- `fit_bases` on two batches against two bare forwards.
+- `fit_bases` on two batches against two bare forwards;
+- with ``--breakdown``, each probe alone: what its pass adds to the bare step, and its
+  `results()`, each over the same bare forward+backward.
 
 Ratios are medians over repeats with their min–max spread; timing on a shared 2-core
 machine is noisy, so compare ratios from one run, never absolute times across runs.
@@ -39,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--layers", default="all", help="all, or comma-separated layer indices")
+    ap.add_argument("--breakdown", action="store_true", help="also each probe alone")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     bridge, tok = models.load("smollm2-135m")
@@ -74,11 +77,18 @@ def main() -> None:
             f"2 fwd {t_fwd:.2f} s, fit_bases {t_fit:.2f} s",
             flush=True,
         )
+        for name in PROBES if args.breakdown else ():
+            t_fb = _timed(bare_fb)
+            with probe(bridge, bases, (name,), layers=layers) as session:
+                t_pass = _timed(bare_fb)
+            t_res = _timed(lambda s=session: s.results(progress=False))
+            ratios.setdefault(f"{name} pass adds", []).append(t_pass / t_fb - 1)
+            ratios.setdefault(f"{name} results", []).append(t_res / t_fb)
     sites = len(bases)
     print(f"\nSmolLM2-135M, {sites} bases, layers={args.layers}, repeats={args.repeat}")
     for name, values in ratios.items():
         med = statistics.median(values)
-        print(f"{name:>11}: {med:6.2f}x  (spread {min(values):.2f}-{max(values):.2f})")
+        print(f"{name:>19}: {med:6.2f}x  (spread {min(values):.2f}-{max(values):.2f})")
 
 
 if __name__ == "__main__":
