@@ -181,10 +181,12 @@ class SiteFrames:
     So where M has a null space (fewer samples than d), ``rank_one`` lies in the first
     coordinate and what is left of the null space is invisible to every trace: choices
     made there at rounding level (which differ with the BLAS or the thread count) cannot
-    move a p-value. Computed on the CPU in float64, the traces in `NULL_DTYPE`."""
+    move a p-value. Computed in float64 on M's device (where it is not the CPU, K is
+    diagonal, `_Eigen`), the traces in `NULL_DTYPE` on the CPU."""
 
     def __init__(self, m: Tensor, q_t: Tensor, rank_one: Tensor | None = None) -> None:
-        m, q_t = (t.detach().to("cpu", torch.float64) for t in (m, q_t))
+        self.device = m.device  # where `null` returns its traces
+        m, q_t = m.detach().double(), q_t.detach().to(m.device, torch.float64)
         d, k = q_t.shape
         self.d, self.k, self.q_t = d, k, q_t
         m = (m + m.T) / 2
@@ -196,12 +198,12 @@ class SiteFrames:
         x0, block = signs[:, None] * mh[:k, k:], mh[k:, k:].contiguous()
         self._reflection = None
         if rank_one is not None:
-            r = rank_one.detach().to("cpu", torch.float64)
+            r = rank_one.detach().to(m)
             r_c = (r - v @ (tri.T @ (v.T @ r)))[k:]
             self._reflection = _reflector(r_c)
             block, x0, r_c = _reflected(self._reflection, block, x0, r_c)
-        alpha, beta, self._reduction = tridiagonalize(block)
-        x = tridiagonal_apply(self._reduction, x0)
+        self._reduction = _reduce(block)
+        alpha, beta = self._reduction.alpha, self._reduction.beta
         # float32 copies scaled to ‖M‖_F = 1, entries under 1e-12 of it set to 0:
         # gradients' tiny second moments squared would otherwise be float32 denormals,
         # slow to multiply (measured: 62 ms against 30 ms a chunk of 512 controls)
@@ -209,32 +211,32 @@ class SiteFrames:
         alpha, beta = (
             torch.where(b.abs() < 1e-12 * self.scale, 0.0, b) / self.scale for b in (alpha, beta)
         )
-        x = x / self.scale
+        x = self._reduction.apply(x0) / self.scale
         xk = x * alpha
         xk[:, 1:] += x[:, :-1] * beta
         xk[:, :-1] += x[:, 1:] * beta
-        low = {"alpha": alpha, "beta": beta, "x": x, "xk": xk, "t": self.t / self.scale}
+        low = {"alpha": alpha, "beta": beta, "x": x, "xk": xk, "t": self.t.cpu() / self.scale}
         low |= {"xxt": x @ x.T, "k2": _squared_bands(alpha, beta)}
         if rank_one is not None:
             root = self.scale**0.5
-            m_c = tridiagonal_apply(self._reduction, r_c[None])[0]
-            low |= {"m_t": q_t.T @ r / root, "m_c": m_c / root}
+            m_c = self._reduction.apply(r_c[None])[0]
+            low |= {"m_t": (q_t.T @ r).cpu() / root, "m_c": m_c / root}
         self.low = {key: _low(value) for key, value in low.items()}
 
     def complement_basis(self) -> Tensor:
-        """U ``(d, d − k)`` explicitly, at O(d³): for checks; the tests never form it."""
+        """U ``(d, d − k)`` explicitly (CPU), at O(d³): for checks; the traces never form it."""
         v, tri, _ = self._wy
-        c = (torch.eye(self.d, dtype=torch.float64) - v @ tri @ v.T)[:, self.k :]
+        c = (torch.eye(self.d, dtype=torch.float64, device=v.device) - v @ tri @ v.T)[:, self.k :]
         if self._reflection is not None:
             u, p = self._reflection
             c = c - p * torch.outer(c @ u, u)
-        return tridiagonal_apply(self._reduction, c)
+        return self._reduction.apply(c)
 
     def null(self, n: int, seed: int, *, normal: bool, squares: bool) -> dict[str, Tensor]:
         """Per control, over the cached frames of (d, k, n, seed): ``tr`` = tr(FᵀMF) and,
         with ``squares``, ``tr2`` = tr(FᵀM²F) and ``frob`` = ‖FᵀMF‖²_F; with a
         ``rank_one`` r, ``m`` = ‖Fᵀr‖²; the same with suffix ``_normal`` for normal
-        controls. float64, computed in `NULL_DTYPE`."""
+        controls. float64 on M's device, computed in `NULL_DTYPE` on the CPU."""
         draw = control_frames(self.d, self.k, n, int(seed))
         rows = draw.normal() if normal else None
         parts = [
@@ -248,10 +250,41 @@ class SiteFrames:
         ]
         power = {"tr": 1, "m": 1, "tr2": 2, "frob": 2}  # homogeneity in M (and r r^T)
         return {
-            key: torch.cat([p[key] for p in parts]).double()
-            * self.scale ** power[key.split("_")[0]]
+            key: (
+                torch.cat([p[key] for p in parts]).double() * self.scale ** power[key.split("_")[0]]
+            ).to(self.device)
             for key in parts[0]
         }
+
+
+class _Tridiagonal:
+    """The CPU reduction: QᵀAQ tridiagonal (`compute.tridiagonalize`), Q e₁ = e₁."""
+
+    def __init__(self, block: Tensor) -> None:
+        self.alpha, self.beta, self._reflectors = tridiagonalize(block)
+
+    def apply(self, c: Tensor) -> Tensor:
+        """``c @ Q`` on the CPU."""
+        return tridiagonal_apply(self._reflectors, c)
+
+
+class _Eigen:
+    """Other devices (no tridiagonal reduction there): QᵀAQ diagonal by an eigendecomposition
+    on the device, β = 0. Q mixes e₁ into the null space, so where M has one, a p-value's
+    Monte-Carlo realisation follows the library's choice of basis there."""
+
+    def __init__(self, block: Tensor) -> None:
+        lam, self._q = torch.linalg.eigh(block)
+        self.alpha, self.beta = lam.cpu(), lam.new_zeros(max(len(lam) - 1, 0)).cpu()
+
+    def apply(self, c: Tensor) -> Tensor:
+        """``c @ Q`` on the CPU."""
+        return (c.to(self._q) @ self._q).cpu()
+
+
+def _reduce(block: Tensor) -> _Tridiagonal | _Eigen:
+    """QᵀAQ banded for the complement block A: tridiagonal on the CPU, diagonal elsewhere."""
+    return _Tridiagonal(block) if block.device.type == "cpu" else _Eigen(block)
 
 
 def _low(value: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
@@ -268,7 +301,7 @@ def _householder_wy(q_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     a, tau = torch.geqrf(q_t)
     v = torch.tril(a, -1)
     v[:k].diagonal().fill_(1.0)
-    tri = torch.zeros(k, k, dtype=q_t.dtype)
+    tri = q_t.new_zeros(k, k)
     for i in range(k):
         tri[i, i] = tau[i]
         tri[:i, i] = -tau[i] * (tri[:i, :i] @ (v[:, :i].T @ v[:, i]))

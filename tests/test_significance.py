@@ -43,9 +43,13 @@ def _explicit_controls(site, frames):
     return uniform, normal
 
 
-def test_site_frames_equal_explicit_projection():
+@pytest.mark.parametrize("reduction", ["tridiagonal", "eigen"])
+def test_site_frames_equal_explicit_projection(reduction, monkeypatch):
     """The arrow algebra gives, frame by frame, what projecting onto the frames gives,
-    for uniform frames and for normal ones (orthonormal, in the complement of Q_T)."""
+    for uniform frames and for normal ones (orthonormal, in the complement of Q_T); with
+    the CPU's tridiagonal reduction and with the eigendecomposition other devices use."""
+    if reduction == "eigen":
+        monkeypatch.setattr(C, "_reduce", C._Eigen)
     gen = torch.Generator().manual_seed(0)
     d, k, n = 14, 3, 9
     b = _basis(d, k, gen)
