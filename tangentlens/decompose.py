@@ -190,8 +190,8 @@ class AttentionParams:
 
 
 def _project(x: Tensor, w: Tensor) -> Tensor:
-    """(batch, pos, d) @ (head, d, e) -> (batch, head, pos, e)."""
-    return torch.einsum("bpd,hde->bhpe", x, w)
+    """(batch, pos, d) @ (head, d, e) -> (batch, head, pos, e), contiguous (blocks: views)."""
+    return torch.einsum("bpd,hde->bhpe", x, w).contiguous()
 
 
 def _frozen_norm(
@@ -323,15 +323,16 @@ class ScoreSplit:
                     f"a basis has d={basis.d} but W_Q reads d_model={self.params.d_model}; "
                     "fit the basis at this layer's attention input."
                 )
-        frames = torch.zeros(len(bases), basis.d, max(b.k for b in bases), dtype=torch.float64)
+        shape = (len(bases), basis.d, max(b.k for b in bases))
+        frames = torch.zeros(shape, dtype=torch.float64, device=self.x.device)
         for i, basis in enumerate(bases):  # zero columns add nothing to x Q Qᵀ
             frames[i, :, : basis.k] = basis.basis_
+        coords = torch.einsum("bpd,ndk->nbpk", self.x.to(frames), frames)  # x Q, once
 
         def tangent(w: Tensor) -> Tensor:  # in float64 (small products), then w's dtype
-            f, w64 = frames.to(w.device), w.to(torch.float64)
-            coords = torch.einsum("bpd,ndk->nbpk", self.x.to(f), f)
-            t = torch.einsum("nbpk,nhke->nbhpe", coords, torch.einsum("ndk,hde->nhke", f, w64))
-            return t.to(w.dtype)
+            w_t = torch.einsum("ndk,hde->nhke", frames, w.to(torch.float64))  # Qᵀ W
+            t = torch.einsum("nbpk,nhke->nbhpe", coords, w_t)
+            return torch.empty(t.shape, dtype=w.dtype, device=t.device).copy_(t)  # contiguous
 
         return self._parts(tangent, _check_dtype(dtype or self.dtype))
 
@@ -340,8 +341,7 @@ class ScoreSplit:
         by W_Q or W_K ``(head, d_model, e)``, before any norm, rotary or scale."""
         w_q, w_k = (w.to(self.x.device, dtype) for w in (self.params.W_Q, self.params.W_K))
         q_t, k_t = self._rotate(self._f_q(tangent(w_q)), self._f_k(tangent(w_k)))
-        q_t = self._grouped(q_t * self.params.scale)
-        q, k = self._q.to(dtype), self._k.to(dtype)
+        q_t, q, k = self._grouped(q_t * self.params.scale), self._q.to(dtype), self._k.to(dtype)
         return Parts(self, q_t, q - q_t, k_t, k - k_t)
 
 

@@ -39,6 +39,8 @@ from tangentlens.probes.attention import (
     STATISTICS,
     AttentionAccumulator,
     AttentionProbe,
+    _Block,
+    _logsumexp_,
     score_terms,
 )
 from tangentlens.probes.base import Observation
@@ -836,13 +838,14 @@ def test_keep_blocks_cover_every_kept_entry(causal: bool, window: int | None) ->
         assert bool(covered.all())
 
 
-@pytest.mark.parametrize("window", [None, 7])
-def test_probe_blocks_match_whole_terms(window: int | None) -> None:
+@pytest.mark.parametrize(("arch", "window"), [("llama", None), ("llama", 7), ("gpt2", None)])
+def test_probe_blocks_match_whole_terms(arch: str, window: int | None) -> None:
     """The probe splits once per layer and accumulates over row blocks (`keep_blocks`),
     the basis in float64 and its null frames in float32: the statistics of
-    `AttentionAccumulator.update` on each basis's whole terms, to 1e-10 for the basis
-    and float32 precision for the frames, with left and right padding."""
-    params = replace(params_from_bridge(bridge("llama"), LAYER), window=window)  # rotary, GQA
+    `AttentionAccumulator.update` on each basis's whole float64 terms, to 1e-10 for the
+    basis and 1e-6 for the frames (float32 rounding: ~5e-8), with left and right padding,
+    rotary and GQA (llama) or biases (gpt2)."""
+    params = replace(params_from_bridge(bridge(arch), LAYER), window=window)
     n = 70  # three blocks of 32 rows
     x = torch.randn(3, n, D, generator=torch.Generator().manual_seed(13))
     mask = torch.ones(3, n, dtype=torch.int64)
@@ -850,7 +853,7 @@ def test_probe_blocks_match_whole_terms(window: int | None) -> None:
     site, basis = Site(LAYER, "attn_in"), random_basis(4)
     probe = AttentionProbe({site: (basis, params)}, n_null=3)
     probe.update(Observation(site, x, mask))
-    nulls = [(f"{site.hook_name}/null{j}", b, 1e-5) for j, b in enumerate(probe.null_bases[site])]
+    nulls = [(f"{site.hook_name}/null{j}", b, 1e-6) for j, b in enumerate(probe.null_bases[site])]
     for key, b, tol in [(site.hook_name, basis, 1e-10), *nulls]:
         whole = AttentionAccumulator().update(
             decompose_scores(x, b, params), mask, causal=True, window=window
@@ -859,3 +862,29 @@ def test_probe_blocks_match_whole_terms(window: int | None) -> None:
         assert (got.rows, got.entries) == (whole.rows, whole.entries)
         for stat, want in whole.results().items():
             torch.testing.assert_close(got.results()[stat], want, rtol=tol, atol=1e-12)
+
+
+def test_masked_exp_matches_torch_with_inf_masks() -> None:
+    """`_Block`'s pattern and `_logsumexp_` clamp masked entries before exp (whose
+    underflow path is slow on CPU) yet give torch's softmax and logsumexp with −inf
+    masks: P exactly 0 where masked, no NaN for a padded query (no kept key), and a
+    float32 input's log-sum-exp to float32 rounding of its inputs."""
+    gen = torch.Generator().manual_seed(14)
+    scores = 8 * torch.randn(2, 3, 6, 6, generator=gen, dtype=torch.float64)
+    mask = torch.ones(2, 6, dtype=torch.int64)
+    mask[1, 0] = 0  # batch 1: query 0 sees no key
+    keep = dkeep_mask((2, 1, 6, 6), causal=True, attention_mask=mask)
+    rows = keep.any(-1).expand(-1, 3, -1)
+    block = _Block(scores, None, keep)
+    want = torch.softmax(scores.masked_fill(~keep, -torch.inf), -1)
+    assert bool((block.p[~keep.expand_as(scores)] == 0).all())
+    torch.testing.assert_close(block.p[rows], want[rows], rtol=1e-14, atol=0)
+    want_plogp = torch.special.xlogy(want, want).sum(-1)
+    torch.testing.assert_close(block.p_log_p[rows], want_plogp[rows], rtol=1e-14, atol=1e-15)
+    assert bool(block.p_log_p.isfinite().all()) and bool(block.p.isfinite().all())
+    for dtype, rtol in ((torch.float64, 1e-15), (torch.float32, 1e-7)):
+        x = scores.to(dtype)
+        got = _logsumexp_(x.masked_fill(~keep, torch.finfo(dtype).min))
+        want_lse = torch.logsumexp(x.double().masked_fill(~keep, -torch.inf), -1)
+        assert got.dtype == torch.float64 and bool(got.isfinite().all())
+        torch.testing.assert_close(got[rows], want_lse[rows], rtol=rtol, atol=0)

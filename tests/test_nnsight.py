@@ -58,14 +58,19 @@ def _batches(arch: str) -> list[dict]:
 
 
 def _compare(a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-5) -> tuple[int, float]:
-    """Rows matched on every key; returns (rows, largest difference relative to max(1, |a|))."""
+    """Rows matched on every key; returns (rows, largest difference relative to max(1, |a|)
+    outside the z-scores)."""
     merged = a.merge(b, on=KEY, how="outer", suffixes=("_a", "_b"), indicator=True)
     assert (merged["_merge"] == "both").all(), merged[merged["_merge"] != "both"][KEY]
     va, vb = merged["value_a"].to_numpy(float), merged["value_b"].to_numpy(float)
+    # a head null's z divides by the spread of 4 float32 frames, which can be 1e-4 of the
+    # statistic: float32 rounding of two backends' (equal to ~1e-7) inputs moves it ~1e-4
+    z = merged["statistic"].str.endswith("_z").to_numpy()
     close = np.isclose(va, vb, rtol=rtol, atol=atol, equal_nan=True)
+    close |= z & np.isclose(va, vb, rtol=1e-3, atol=atol, equal_nan=True)
     assert close.all(), merged.loc[~close, [*KEY, "value_a", "value_b"]].to_string()
     diff = np.abs(va - vb) / np.maximum(1.0, np.abs(va))
-    return len(merged), float(np.nanmax(diff))
+    return len(merged), float(np.nanmax(np.where(z, 0.0, diff)))
 
 
 # ------------------------------------------------------------------ sites
