@@ -109,6 +109,12 @@ def _call(name: str, *args: Any) -> None:
         raise RuntimeError(f"LAPACK {name} failed (info={info.value}).")
 
 
+def _buffer(matrix: Tensor) -> np.ndarray:
+    """``matrix``'s own float64 buffer when it has one (so LAPACK overwrites it), else a
+    float64 copy's."""
+    return matrix.detach().to(torch.float64).contiguous().numpy()
+
+
 def _with_workspace(name: str, *args: Any, integer: bool = False) -> None:
     """Call ``name`` twice: a workspace query (sizes -1), then with the sizes it asked
     for. ``args`` ends with the workspace arrays' places: ``work, lwork`` (and
@@ -130,7 +136,7 @@ def top_eigh(matrix: Tensor, n: int) -> tuple[Tensor, Tensor]:
         evals, evecs = torch.linalg.eigh(matrix)
         return evals.flip(0)[:n], evecs.flip(1)[:, :n]
     d = matrix.shape[0]
-    a = matrix.contiguous().numpy()  # symmetric: its row order is LAPACK's column order
+    a = _buffer(matrix)  # symmetric: its row order is LAPACK's column order
     w, z = np.empty(d), np.empty((n, d))  # z row-major (n, d) is LAPACK's (d, n)
     bound, found = ctypes.c_double(0.0), ctypes.c_int(0)  # vl, vu, abstol (0: default)
     args = (b"V", b"I", b"U", d, a, d, bound, bound, d - n + 1, d, bound, found, w, z, d)
@@ -146,7 +152,7 @@ def tridiagonalize(matrix: Tensor) -> tuple[Tensor, Tensor, tuple[np.ndarray, np
     ``reduction`` (the reflectors, in ``matrix``'s overwritten buffer, and their scalars)
     is what `tridiagonal_apply` reads."""
     n = matrix.shape[0]
-    a = matrix.contiguous().numpy()  # lower in LAPACK's column order: e₁ stays fixed
+    a = _buffer(matrix)  # lower in LAPACK's column order: e₁ stays fixed
     alpha, beta, tau = np.empty(n), np.empty(max(n - 1, 0)), np.empty(max(n - 1, 1))
     _with_workspace("dsytrd", b"L", n, a, n, alpha, beta, tau)
     return torch.from_numpy(alpha), torch.from_numpy(beta), (a, tau)

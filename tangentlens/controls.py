@@ -5,10 +5,9 @@ A control is a Haar-random k-frame F. Every quantity the tests need is ``tr(Fᵀ
 ``tr(FᵀM²F)`` or ``‖FᵀMF‖²_F`` for a symmetric d × d M. `SiteFrames` takes one
 tridiagonal reduction of M on the complement of Q_T, which puts M in coordinates
 W = [Q_T, U] where it is an arrow (a k × k block, a k × (d − k) border, a tridiagonal
-block). A
-Haar frame drawn directly in W is Haar (uniform controls), and its complement rows,
-orthonormalised, are Haar in the complement (the paper's normal controls), so both kinds
-come from one draw at O(d·k²) each. The frames are drawn once per (d, k, n, seed) and
+block). A Haar frame drawn directly in W is Haar (uniform controls), and its complement
+rows, orthonormalised, are Haar in the complement (the paper's normal controls), so both
+kinds come from one draw at O(d·k²) each. The frames are drawn once per (d, k, n, seed) and
 cached with what every site reads of them (`ControlSet`, `control_frames`).
 """
 
