@@ -10,7 +10,9 @@ of controls (1000), each repeat measures, interleaved in one process:
 - the probe pass (residual + attention + gradient) around the same step, and `results()`;
 - `fit_bases` on two batches against two bare forwards;
 - with ``--breakdown``, each probe alone: what its pass adds to the bare step, and its
-  `results()`, each over the same bare forward+backward.
+  `results()`, each over the same bare forward+backward; and what two options cost: the
+  whole job without the head null (``head_null=0``), and `fit_bases` on the two batches
+  as one (no split halves, so no ``split_half_overlap``).
 
 Ratios are medians over repeats with their min–max spread; timing on a shared 2-core
 machine is noisy, so compare ratios from one run, never absolute times across runs.
@@ -59,6 +61,7 @@ def main() -> None:
             for batch in fit:
                 bridge(batch)
 
+    one = [torch.cat(fit)]  # the same tokens as one batch: no split halves
     bases = fit_bases(bridge, fit, rank=16, layers=layers, progress=False)
     ratios: dict[str, list[float]] = {"pass": [], "results": [], "end_to_end": [], "fit": []}
     for _ in range(args.repeat):
@@ -84,6 +87,15 @@ def main() -> None:
             t_res = _timed(lambda s=session: s.results(progress=False))
             ratios.setdefault(f"{name} pass adds", []).append(t_pass / t_fb - 1)
             ratios.setdefault(f"{name} results", []).append(t_res / t_fb)
+        if args.breakdown:
+            t_fb = _timed(bare_fb)
+            with probe(bridge, bases, PROBES, layers=layers, head_null=0) as session:
+                t_pass = _timed(bare_fb)
+            t_res = _timed(lambda s=session: s.results(progress=False))
+            ratios.setdefault("no head null", []).append((t_pass + t_res) / t_fb)
+            t_fwd = _timed(bare_fwd)
+            t_fit = _timed(lambda: fit_bases(bridge, one, rank=16, layers=layers, progress=False))
+            ratios.setdefault("fit, no split halves", []).append(t_fit / t_fwd)
     sites = len(bases)
     print(f"\nSmolLM2-135M, {sites} bases, layers={args.layers}, repeats={args.repeat}")
     for name, values in ratios.items():
