@@ -10,9 +10,9 @@ Gram trick. Both tests read only d×d statistics: a control costs O(d·k²), nev
 another pass over tokens (`tangentlens.controls`: one tridiagonal reduction per site
 serves both tests and both kinds of controls, since the energy test's second moment is the
 covariance plus the mean's outer product and the isotropy test's covariance is the same
-matrix scaled by n/(n − 1)). Measured at d = 576, k = 16, 1,000 controls, one thread (CPU
-time): ~73 ms per site for everything `tangent_tests` reports, against ~280 ms with the
-four eigendecompositions this replaced.
+matrix scaled by n/(n − 1)). At d = 576, k = 16, 1,000 controls, one thread (CPU time,
+`benchmarks/bench_site_tests.py`): 57–62 ms per site for everything `tangent_tests`
+reports, against ~90 ms with one eigendecomposition and ~280 ms with four.
 
 Controls. ``controls="uniform"`` (the default) draws frames from the whole space, which
 makes Q_T exchangeable with the controls under any rotation-invariant null, so its
