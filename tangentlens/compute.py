@@ -62,7 +62,8 @@ def threads(n: int | None) -> Iterator[None]:
 def site_map(fn: Callable[[T], R], items: Sequence[T]) -> Iterator[R]:
     """``fn`` over ``items``, results in order, on ``torch.get_num_threads()`` workers of one
     thread each (one worker: a plain ``map``, still on one thread). ``fn`` must be
-    thread-safe: torch releases the GIL inside its kernels, `top_eigh` inside LAPACK."""
+    thread-safe: torch releases the GIL inside its kernels, this module's LAPACK calls
+    inside LAPACK."""
     workers = min(torch.get_num_threads(), len(items))
     with threads(1):
         if workers <= 1:
@@ -163,7 +164,8 @@ def tridiagonal_apply(reduction: tuple[np.ndarray, np.ndarray], c: Tensor) -> Te
     ``(m, n)`` (LAPACK ``dormtr``)."""
     a, tau = reduction
     n = a.shape[0]
-    out = c.to(torch.float64).contiguous().clone().numpy()  # row-major c is LAPACK's cᵀ
+    # a copy (LAPACK overwrites it); row-major c is LAPACK's cᵀ
+    out = c.detach().to(torch.float64, memory_format=torch.contiguous_format, copy=True).numpy()
     if n > 1 and out.size:
         _with_workspace("dormtr", b"L", b"L", b"T", n, out.shape[0], a, n, tau, out, n)
     return torch.from_numpy(out)

@@ -14,6 +14,7 @@ from tangentlens.depth import DepthProfile
 from tangentlens.hooks import Site, get_backend
 from tangentlens.probes import BasisSet, fit_bases, lm_loss, probe, run
 from tangentlens.probes.activation import Reservoir
+from tangentlens.probes.base import first_equal
 from tangentlens.subspace import TangentBasis
 
 OPTS = {"n_controls": 50, "progress": False}
@@ -461,3 +462,15 @@ def test_sites_tested_side_by_side_equal_one_after_another(fitted: dict) -> None
         tables.append(session.results().set_index(["hook", "statistic"])["value"])
     torch.set_num_threads(1)
     pd.testing.assert_series_equal(tables[0], tables[1], rtol=0, atol=0)
+
+
+def test_first_equal_points_each_item_at_the_first_of_its_kind() -> None:
+    calls: list[tuple[int, int]] = []
+
+    def same(a: int, b: int) -> bool:
+        calls.append((a, b))
+        return a % 3 == b % 3
+
+    assert first_equal([0, 4, 3, 1, 7, 2], same) == [0, 1, 0, 1, 1, 5]
+    # later items meet only the first of each kind, never a later twin
+    assert all(a in (0, 4) for a, _ in calls)

@@ -13,7 +13,7 @@ probe: shards, processes and checkpoints combine exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -27,7 +27,16 @@ from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
 from ..stats import Moments, SharedBatch
 
-__all__ = ["Mergeable", "Observation", "Probe", "Sum", "ci_columns", "row", "sites_bar"]
+__all__ = [
+    "Mergeable",
+    "Observation",
+    "Probe",
+    "Sum",
+    "ci_columns",
+    "first_equal",
+    "row",
+    "sites_bar",
+]
 
 M = TypeVar("M")
 T = TypeVar("T")
@@ -263,6 +272,21 @@ class Probe:
     def __repr__(self) -> str:
         sites = sorted({s.hook_name for s in self.forward_sites + self.backward_sites})
         return f"{type(self).__name__}({len(sites)} sites)"
+
+
+def first_equal(items: Sequence[T], same: Callable[[T, T], bool]) -> list[int]:
+    """For each item, the index of the first item ``same`` as it (its own index if none
+    before it is): two names of one tensor (``resid_post`` of layer l is ``resid_pre`` of
+    l + 1 on a bridge) are then decomposed or tested once. Compares with the first of
+    each kind only."""
+    out: list[int] = []
+    firsts: list[int] = []
+    for i, item in enumerate(items):
+        j = next((f for f in firsts if same(items[f], item)), i)
+        if j == i:
+            firsts.append(i)
+        out.append(j)
+    return out
 
 
 def sites_bar(items: Iterable[T], probe: Probe, total: int | None = None) -> Iterable[T]:

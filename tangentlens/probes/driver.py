@@ -27,6 +27,7 @@ from ..hooks.sites import INPUT_KINDS, RESIDUAL_KINDS, NamesFilter, Site
 from ..stats import Moments, state_dtype
 from ..subspace import TangentBasis, near_chance, split_half_overlap
 from ..version import __version__
+from .base import first_equal
 from .bases import BasisSet
 from .session import ProbeSession
 
@@ -308,13 +309,11 @@ def fit_bases(
         "library": f"tangentlens {__version__}",
         **(provenance or {}),
     }
-    # two names of one tensor (resid_post[l] is resid_pre[l + 1] on a bridge) have
-    # bit-identical statistics: fit once, relabel (the eigendecompositions dominate)
-    twins: dict[Site, Site] = {}
-    for s in moments:
-        twins[s] = next(
-            (t for t in twins if twins[t] == t and _same_tensor(t, s, moments, halves)), s
-        )
+    # two names of one tensor have bit-identical statistics: fit once, relabel (the
+    # eigendecompositions dominate)
+    names = list(moments)
+    first = first_equal(names, lambda a, b: _same_tensor(a, b, moments, halves))
+    twins = {s: names[j] for s, j in zip(names, first, strict=True)}
 
     def fit(s: Site) -> TangentBasis:
         basis = TangentBasis.fit(

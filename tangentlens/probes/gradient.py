@@ -48,7 +48,7 @@ from ..stats import Moments, state_dtype
 from ..subspace import TangentBasis
 from ..uncertainty import share_intervals
 from ..validation import check_int
-from .base import Observation, Probe, Sum, ci_columns, row, sites_bar
+from .base import Observation, Probe, Sum, ci_columns, first_equal, row, sites_bar
 from .residual import amplification_rows, energy_sums
 
 __all__ = ["GradientProbe"]
@@ -115,7 +115,7 @@ class GradientProbe(Probe):
         out = []
         sites = [(s, g) for s, g in self.moments().items() if g.count]
         # two names of one tensor are tested once; distinct sites side by side
-        first = [_first_identical(sites, i, self.bases) for i in range(len(sites))]
+        first = first_equal(sites, self._same)
         order = sorted(set(first))
 
         def test(item: tuple[Site, Moments]) -> dict[str, float]:
@@ -138,6 +138,13 @@ class GradientProbe(Probe):
         groups = {s: self.state(f"groups/{s.hook_name}").value.cpu()[:, :2] for s in self.bases}
         return out + amplification_rows(self.name, "energy_amplification", groups, self._ratio)
 
+    def _same(self, a: tuple[Site, Moments], b: tuple[Site, Moments]) -> bool:
+        """Bit-identical gradients and basis: two names of one tensor (with the basis
+        `fit_bases` relabels)."""
+        return a[1].identical(b[1]) and torch.equal(
+            self.bases[a[0]].basis_, self.bases[b[0]].basis_
+        )
+
     def _ratio(self, site: Site, tangent: float, total: float) -> float:
         share = tangent / total if total > 0 else math.nan
         return energy_ratio(share, self.bases[site].k, self.bases[site].d)
@@ -149,16 +156,3 @@ class GradientProbe(Probe):
             return {}
         basis = self.bases[site]
         return share_intervals(seen[:, :2], k=basis.k, d=basis.d, activation_sums=seen[:, 2:])
-
-
-def _first_identical(
-    sites: list[tuple[Site, Moments]], i: int, bases: Mapping[Site, TangentBasis]
-) -> int:
-    """The first index whose gradients and basis equal site i's bit for bit: two names of
-    one tensor (``resid_post`` of layer l is ``resid_pre`` of l + 1, with the basis
-    `fit_bases` relabels)."""
-    site, grads = sites[i]
-    for j, (other, g) in enumerate(sites[:i]):
-        if g.identical(grads) and torch.equal(bases[other].basis_, bases[site].basis_):
-            return j
-    return i
