@@ -10,9 +10,12 @@ of controls (1000), each repeat measures, interleaved in one process:
 - the probe pass (residual + attention + gradient) around the same step, and `results()`;
 - `fit_bases` on two batches against two bare forwards;
 - with ``--breakdown``, each probe alone: what its pass adds to the bare step, and its
-  `results()`, each over the same bare forward+backward; and what two options cost: the
+  `results()`, each over the same bare forward+backward; what two options cost: the
   whole job without the head null (``head_null=0``), and `fit_bases` on the two batches
-  as one (no split halves, so no ``split_half_overlap``).
+  as one (no split halves, so no ``split_half_overlap``); and two parts of `fit_bases`
+  alone, over the two bare forwards: its exact top-k decompositions (the fit and the two
+  halves of each distinct site, side by side as `fit_bases` runs them) and the
+  ``weight_hash`` of its provenance (SHA-256 of the state dict).
 
 Ratios are medians over repeats with their min–max spread; timing on a shared 2-core
 machine is noisy, so compare ratios from one run, never absolute times across runs.
@@ -28,6 +31,8 @@ import warnings
 import torch
 
 from tangentlens import models
+from tangentlens.compute import site_map, top_eigh
+from tangentlens.files import tensor_hash
 from tangentlens.probes import fit_bases, lm_loss, probe
 
 PROBES = ("residual", "attention", "gradient")
@@ -63,6 +68,15 @@ def main() -> None:
 
     one = [torch.cat(fit)]  # the same tokens as one batch: no split halves
     bases = fit_bases(bridge, fit, rank=16, layers=layers, progress=False)
+    distinct: list = []  # one Moments per tensor: twins (resid_post = next resid_pre) fit once
+    for m in bases.moments.values():
+        if not any(m.identical(o) for o in distinct):
+            distinct.append(m)
+    covariances = [m.covariance() for m in distinct] * 3  # the fit and its two halves
+
+    def decompositions() -> None:
+        list(site_map(lambda c: top_eigh(c.clone(), 17), covariances))
+
     ratios: dict[str, list[float]] = {"pass": [], "results": [], "end_to_end": [], "fit": []}
     for _ in range(args.repeat):
         t_fb = _timed(bare_fb)
@@ -96,6 +110,9 @@ def main() -> None:
             t_fwd = _timed(bare_fwd)
             t_fit = _timed(lambda: fit_bases(bridge, one, rank=16, layers=layers, progress=False))
             ratios.setdefault("fit, no split halves", []).append(t_fit / t_fwd)
+            ratios.setdefault("fit: eigh alone", []).append(_timed(decompositions) / t_fwd)
+            t_hash = _timed(lambda: tensor_hash(bridge.state_dict()))
+            ratios.setdefault("fit: hash alone", []).append(t_hash / t_fwd)
     sites = len(bases)
     print(f"\nSmolLM2-135M, {sites} bases, layers={args.layers}, repeats={args.repeat}")
     for name, values in ratios.items():
