@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,11 +101,14 @@ class ControlSet:
     the rows of G = B·L⁻ᵀ. L comes from a float64 QR of B (G is the QR's Q), once per
     draw: exact however ill-conditioned B is (2k near d), and no site pays for it."""
 
-    def __init__(self, frames: Tensor) -> None:
+    def __init__(self, frames: Tensor, on_grow: Callable[[ControlSet], None] | None = None) -> None:
+        """``on_grow(self)`` is called once the normal controls' rows are built (what a
+        cache that holds this set needs to count them against its budget)."""
         self.frames = frames
         self._uniform = Rows.of(frames, frames)
         self._normal: Rows | None = None
         self._lock = threading.Lock()
+        self._on_grow = on_grow
 
     def rows(self, start: int, stop: int) -> Rows:
         """The uniform frames ``start:stop`` with their row products."""
@@ -113,10 +117,14 @@ class ControlSet:
     def normal(self) -> Rows:
         """L⁻¹ ``(n, k, k)`` with G's row products, in `NULL_DTYPE`, made on first use."""
         with self._lock:  # chunked: float64 frames of d = 4096 would take 0.5 GB at once
-            if self._normal is None:
+            grew = self._normal is None
+            if grew:
                 chunks = range(0, len(self.frames), CHUNK)
                 self._normal = Rows.cat([_normal_rows(self.frames[i : i + CHUNK]) for i in chunks])
-            return self._normal
+            normal = self._normal
+        if grew and self._on_grow is not None:
+            self._on_grow(self)
+        return normal
 
     @property
     def nbytes(self) -> int:
@@ -149,11 +157,23 @@ class FrameCache:
         if key in self._sets:
             self._sets.move_to_end(key)
             return self._sets[key]
-        entry = self._sets[key] = ControlSet(draw_frames(*key))
-        # the oldest go first; the newest stays even when it alone is over budget
+        entry = self._sets[key] = ControlSet(draw_frames(*key), on_grow=self._grew)
+        self._trim()
+        return entry
+
+    def _grew(self, entry: ControlSet) -> None:
+        """A set built its normal controls' rows: count them now, the set being in use."""
+        with self._lock:
+            key = next((k for k, c in self._sets.items() if c is entry), None)
+            if key is not None:  # not evicted meanwhile
+                self._sets.move_to_end(key)
+                self._trim()
+
+    def _trim(self) -> None:
+        """The least recently used go first; the newest stays even when it alone is over
+        budget."""
         while len(self._sets) > 1 and sum(c.nbytes for c in self._sets.values()) > self.max_bytes:
             self._sets.popitem(last=False)
-        return entry
 
 
 control_frames = FrameCache(CACHE_BYTES)

@@ -289,6 +289,11 @@ def test_control_frames_are_drawn_once_and_reused_across_sites():
     assert cache(8, 2, 10, 0) is a  # a hit refreshes the entry...
     cache(8, 2, 10, 2)  # ...so seed 1, the least recently used, goes
     assert cache(8, 2, 10, 0) is a and list(cache._sets) == [(8, 2, 10, 2), (8, 2, 10, 0)]
+    b = cache._sets[(8, 2, 10, 2)]
+    b.normal()  # normal controls' rows count once built: seed 2, now the newest, stays...
+    assert list(cache._sets) == [(8, 2, 10, 2)] and b.nbytes > cache.max_bytes / 2
+    a.normal()  # ...and a set evicted meanwhile changes nothing
+    assert list(cache._sets) == [(8, 2, 10, 2)]
 
 
 def test_ten_thousand_controls_are_practical():
