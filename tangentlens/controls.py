@@ -194,14 +194,17 @@ class SiteFrames:
     product) and the isotropy test (βM) with both kinds of controls.
 
     U = C·H·Q_K is never formed: C the complement columns of the Householder QR of Q_T
-    (applied to M in compact WY form, O(d²k)), H a reflection that makes ``rank_one``'s
-    part in the complement the first coordinate, Q_K LAPACK's tridiagonal reduction
-    (`compute.tridiagonalize`: half an eigendecomposition), which keeps that coordinate.
-    So where M has a null space (fewer samples than d), ``rank_one`` lies in the first
-    coordinate and what is left of the null space is invisible to every trace: choices
-    made there at rounding level (which differ with the BLAS or the thread count) cannot
-    move a p-value. Computed in float64 on M's device (where it is not the CPU, K is
-    diagonal, `_Eigen`), the traces in `NULL_DTYPE` on the CPU."""
+    (applied to M as its k reflectors, `torch.ormqr`, O(d²k)), H a reflection that makes
+    ``rank_one``'s part in the complement the first coordinate, Q_K LAPACK's tridiagonal
+    reduction (`compute.tridiagonalize`: half an eigendecomposition), which keeps that
+    coordinate. So where M has a null space (fewer samples than d), ``rank_one`` lies in
+    the first coordinate and what is left of the null space is invisible to every trace:
+    noise confined there moves nothing. Rounding-level changes elsewhere in M can move
+    the traces (the reduction's last coordinates inside M's range are ill-conditioned when
+    M is rank-deficient): each control is then another Haar draw, so a p-value stays exact
+    but its Monte-Carlo realisation may differ with the BLAS or the thread count. Computed
+    in float64 on M's device (where it is not the CPU, K is diagonal, `_Eigen`), the
+    traces in `NULL_DTYPE` on the CPU."""
 
     def __init__(self, m: Tensor, q_t: Tensor, rank_one: Tensor | None = None) -> None:
         self.device = m.device  # where `null` returns its traces
@@ -210,15 +213,16 @@ class SiteFrames:
         self.d, self.k, self.q_t = d, k, q_t
         m = (m + m.T) / 2
         self.t = q_t.T @ m @ q_t
-        self._wy = v, tri, signs = _householder_wy(q_t)
-        y = m @ v @ tri
-        u = y - v @ (tri.T @ (v.T @ y)) / 2
-        mh = m - u @ v.T - v @ u.T  # HᵀMH with H = I − V T Vᵀ: [Q_T·diag(signs), C]
+        # H, the Q of Q_T's Householder QR, is [Q_T·diag(signs), C]; HᵀMH, symmetric
+        self._qr = a, tau = torch.geqrf(q_t)
+        signs = torch.where(a.diagonal() < 0, -1.0, 1.0).to(q_t.dtype)
+        mh = torch.ormqr(a, tau, torch.ormqr(a, tau, m, transpose=True).mT, transpose=True)
+        mh = (mh + mh.mT) / 2
         x0, block = signs[:, None] * mh[:k, k:], mh[k:, k:].contiguous()
         self._reflection = None
         if rank_one is not None:
             r = rank_one.detach().to(m)
-            r_c = (r - v @ (tri.T @ (v.T @ r)))[k:]
+            r_c = torch.ormqr(a, tau, r[:, None], transpose=True)[k:, 0]
             self._reflection = _reflector(r_c)
             block, x0, r_c = _reflected(self._reflection, block, x0, r_c)
         self._reduction = _reduce(block)
@@ -244,8 +248,8 @@ class SiteFrames:
 
     def complement_basis(self) -> Tensor:
         """U ``(d, d − k)`` explicitly (CPU), at O(d³): for checks; the traces never form it."""
-        v, tri, _ = self._wy
-        c = (torch.eye(self.d, dtype=torch.float64, device=v.device) - v @ tri @ v.T)[:, self.k :]
+        a, tau = self._qr
+        c = torch.ormqr(a, tau, torch.eye(self.d, dtype=a.dtype, device=a.device))[:, self.k :]
         if self._reflection is not None:
             u, p = self._reflection
             c = c - p * torch.outer(c @ u, u)
@@ -313,22 +317,6 @@ def _low(value: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
     if isinstance(value, tuple):
         return tuple(v.to(NULL_DTYPE) for v in value)
     return value.to(NULL_DTYPE)
-
-
-def _householder_wy(q_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(V, T, signs)`` with H = I − V T Vᵀ the Householder QR's Q of the orthonormal
-    ``q_t`` (compact WY form, LAPACK's ``larft`` recurrence): H's first k columns are
-    q_t·diag(signs), the rest a basis of its complement."""
-    k = q_t.shape[1]
-    a, tau = torch.geqrf(q_t)
-    v = torch.tril(a, -1)
-    v[:k].diagonal().fill_(1.0)
-    tri = q_t.new_zeros(k, k)
-    for i in range(k):
-        tri[i, i] = tau[i]
-        tri[:i, i] = -tau[i] * (tri[:i, :i] @ (v[:, :i].T @ v[:, i]))
-    signs = torch.where(a.diagonal() < 0, -1.0, 1.0).to(q_t.dtype)
-    return v, tri, signs
 
 
 def _reflector(r: Tensor) -> tuple[Tensor, float] | None:
