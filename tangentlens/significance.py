@@ -29,10 +29,13 @@ here is 1,000.
 Frame reuse. The frames depend only on (d, k, n_controls, seed); they are drawn once and
 reused across sites and tests (`controls.control_frames`). The controls' traces are
 float32 (relative error ~1e-6, far inside their Monte-Carlo error); the tangent
-statistics, the tridiagonal reduction and the closed forms are float64. The coordinates
-leave nothing a trace reads to rounding-level choices (`controls.SiteFrames`), so a
-p-value does not move with the BLAS or the thread count. Each site's p-value is exact;
-p-values of different sites share their controls, so they are dependent.
+statistics, the tridiagonal reduction and the closed forms are float64. With at least as
+many gradients as d, rounding-level changes of the statistics (another BLAS or thread
+count) move the controls' traces at rounding level; with fewer, the null space is
+invisible to them, but the reduction's last coordinates inside the range are
+ill-conditioned, so a p-value may come out as another, equally exact Monte-Carlo
+realisation (`controls.SiteFrames`). Each site's p-value is exact; p-values of different
+sites share their controls, so they are dependent.
 """
 
 from __future__ import annotations

@@ -361,6 +361,26 @@ def test_normal_controls_at_half_the_dimension():
     )
 
 
+def test_controls_move_only_at_rounding_level_with_more_samples_than_d():
+    """More samples than d: a rounding-level change of M (what another BLAS or thread
+    count would make) moves every control's traces only at rounding level. (With fewer,
+    the reduction's last coordinates inside M's range are ill-conditioned and the traces
+    may move further: another Haar realisation, see `controls.SiteFrames`.)"""
+    gen = torch.Generator().manual_seed(22)
+    d, k, n = 64, 8, 512
+    b = _basis(d, k, gen)
+    m = Moments().update(_grads(n, d, gen, torch.linspace(0.1, 3, d, dtype=torch.float64)) + 0.05)
+    cov, mu = m.covariance(), m.mean
+    z = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    nudged = cov + 1e-16 * float(cov.abs().max()) * (z + z.T)
+    draws = [
+        C.SiteFrames(s, b.basis_, rank_one=mu).null(300, 3, normal=True, squares=True)
+        for s in (cov, nudged)
+    ]
+    for key, value in draws[0].items():
+        torch.testing.assert_close(draws[1][key], value, rtol=1e-5, atol=0)
+
+
 def test_controls_do_not_see_the_null_space_basis():
     """Fewer samples than d: M has a null space, where the reduction's basis is left to
     rounding. Noise at 1e-13 there (what another BLAS or thread count would do) leaves
