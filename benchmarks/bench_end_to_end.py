@@ -34,6 +34,7 @@ from tangentlens import models
 from tangentlens.compute import site_map, top_eigh
 from tangentlens.files import tensor_hash
 from tangentlens.probes import fit_bases, lm_loss, probe
+from tangentlens.probes.base import first_equal
 
 PROBES = ("residual", "attention", "gradient")
 
@@ -68,11 +69,10 @@ def main() -> None:
 
     one = [torch.cat(fit)]  # the same tokens as one batch: no split halves
     bases = fit_bases(bridge, fit, rank=16, layers=layers, progress=False)
-    distinct: list = []  # one Moments per tensor: twins (resid_post = next resid_pre) fit once
-    for m in bases.moments.values():
-        if not any(m.identical(o) for o in distinct):
-            distinct.append(m)
-    covariances = [m.covariance() for m in distinct] * 3  # the fit and its two halves
+    # one Moments per tensor, as fit_bases fits them: twins (resid_post = next resid_pre) once
+    moments = list(bases.moments.values())
+    first = set(first_equal(moments, lambda a, b: a.identical(b)))
+    covariances = [moments[i].covariance() for i in sorted(first)] * 3  # the fit, two halves
 
     def decompositions() -> None:
         list(site_map(lambda c: top_eigh(c.clone(), 17), covariances))
