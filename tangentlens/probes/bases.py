@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptFileError
+from ..errors import BasisSiteWarning, CorruptFileError, UsageError
 from ..files import load_tensors, save_tensors
 from ..hooks.sites import KINDS, Site
 from ..stats import Moments
 from ..subspace import TangentBasis
 
-__all__ = ["BasisSet", "as_bases", "site_order"]
+__all__ = ["BasisSet", "as_bases", "site_order", "warn_basis_sites"]
 
 
 class BasisSet(Mapping[str, TangentBasis]):
@@ -122,3 +123,30 @@ def as_bases(bases: Mapping[str | Site, TangentBasis] | None) -> dict[Site, Tang
             f"got {type(bases).__name__}. Build one with fit_bases(model, batches, rank=k)."
         )
     return BasisSet(bases).by_site()
+
+
+def warn_basis_sites(used: Mapping[Site, TangentBasis], *, stacklevel: int = 3) -> None:
+    """One `BasisSiteWarning` naming every site whose basis says (``provenance["site"]``,
+    as `fit_bases` records it) that it was fitted at another site; bases without a
+    recorded site are trusted."""
+    wrong = []
+    for site, basis in used.items():
+        fitted = basis.provenance.get("site")
+        try:
+            fitted_site = None if fitted is None else Site.parse(fitted).without_head()
+        except (UsageError, TypeError):
+            fitted_site = None
+        if fitted_site is not None and fitted_site != site.without_head():
+            wrong.append(f"{site.without_head()} (fitted at {fitted_site})")
+    if wrong:
+        warnings.warn(
+            BasisSiteWarning(
+                "a basis splits the attention at a site other than where it was fitted: "
+                f"{'; '.join(wrong)}. The split is exact for any basis, but Q_T then is "
+                "not the tangent space of that input. Use the basis fitted at the site "
+                "(fit_bases(model, batches, rank=k) fits ln1.hook_out, the attention "
+                "input, and hook_resid_pre), and give score_terms the site its basis was "
+                "fitted at: site='attn_in' or site='resid_pre'."
+            ),
+            stacklevel=stacklevel,
+        )
