@@ -851,7 +851,7 @@ def test_probe_blocks_match_whole_terms(arch: str, window: int | None) -> None:
     mask = torch.ones(3, n, dtype=torch.int64)
     mask[1, :5], mask[2, 60:] = 0, 0
     site, basis = Site(LAYER, "attn_in"), random_basis(4)
-    probe = AttentionProbe({site: (basis, params)}, n_null=3)
+    probe = AttentionProbe({site: (basis, params)}, head_null=3)
     probe.update(Observation(site, x, mask))
     nulls = [(f"{site.hook_name}/null{j}", b, 1e-6) for j, b in enumerate(probe.null_bases[site])]
     for key, b, tol in [(site.hook_name, basis, 1e-10), *nulls]:

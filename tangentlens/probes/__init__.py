@@ -8,6 +8,7 @@ any model with a backend (`tangentlens.hooks.get_backend`). Every probe follows 
 
 from __future__ import annotations
 
+from . import registry
 from .activation import ActivationProbe
 from .attention import AttentionProbe
 from .base import Observation, Probe
@@ -34,5 +35,6 @@ __all__ = [
     "lm_loss",
     "mlm_loss",
     "probe",
+    "registry",
     "run",
 ]

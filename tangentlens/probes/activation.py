@@ -19,6 +19,8 @@ from ..hooks.sites import Site
 from ..stats import Moments, state_dtype
 from ..validation import check_int
 from .base import Observation, Probe, row
+from .bases import site_order
+from .registry import Plan, ProbeSpec, register
 
 __all__ = ["ActivationProbe", "Reservoir"]
 
@@ -135,3 +137,24 @@ class ActivationProbe(Probe):
             out.append(row(self.name, site, "mean_sq_norm", m.trace_second_moment()))
             out.append(row(self.name, site, "n_tokens", float(m.count)))
         return out
+
+
+def _sites(plan: Plan) -> dict[Site, None]:
+    """The sites with a basis in scope; without bases, every site in scope."""
+    chosen = plan.scoped if plan.bases else plan.in_scope
+    return dict.fromkeys(sorted(chosen, key=site_order))
+
+
+register(
+    ProbeSpec(
+        "activation",
+        ActivationProbe,
+        _sites,
+        needs="sites in scope",
+        options=("reservoir",),
+        build=lambda plan, sites, **options: ActivationProbe(
+            list(sites), **plan.shared(ActivationProbe), **options
+        ),
+        order=4,
+    )
+)

@@ -20,7 +20,6 @@ and BERT bridges it is the post-softmax pattern.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,13 +38,16 @@ from ..decompose import (
     random_share_std,
     z_gram,
 )
-from ..errors import BasisSiteWarning, CorruptFileError, UsageError
+from ..errors import CorruptFileError, UsageError
 from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
 from ..hooks.transformer_lens import norm_from_bridge, params_from_bridge
 from ..subspace import TangentBasis, normal_controls, shares
 from ..validation import check_int
 from .base import Observation, Probe, Sum, row
+from .bases import warn_basis_sites
+from .registry import Plan, ProbeSpec, register
+from .residual import write_basis_site
 
 __all__ = [
     "STATISTICS",
@@ -53,7 +55,6 @@ __all__ = [
     "AttentionAccumulator",
     "AttentionProbe",
     "score_terms",
-    "warn_basis_sites",
 ]
 
 STATISTICS = (*(f"score_share_{t}" for t in TERMS), "pattern_kl_TT")
@@ -64,33 +65,6 @@ WRITE_STATISTICS = (
     "write_share_null_std",
     "write_share_z",
 )
-
-
-def warn_basis_sites(used: Mapping[Site, TangentBasis], *, stacklevel: int = 3) -> None:
-    """One `BasisSiteWarning` naming every site whose basis says (``provenance["site"]``,
-    as `fit_bases` records it) that it was fitted at another site; bases without a
-    recorded site are trusted."""
-    wrong = []
-    for site, basis in used.items():
-        fitted = basis.provenance.get("site")
-        try:
-            fitted_site = None if fitted is None else Site.parse(fitted).without_head()
-        except (UsageError, TypeError):
-            fitted_site = None
-        if fitted_site is not None and fitted_site != site.without_head():
-            wrong.append(f"{site.without_head()} (fitted at {fitted_site})")
-    if wrong:
-        warnings.warn(
-            BasisSiteWarning(
-                "a basis splits the attention at a site other than where it was fitted: "
-                f"{'; '.join(wrong)}. The split is exact for any basis, but Q_T then is "
-                "not the tangent space of that input. Use the basis fitted at the site "
-                "(fit_bases(model, batches, rank=k) fits ln1.hook_out, the attention "
-                "input, and hook_resid_pre), and give score_terms the site its basis was "
-                "fitted at: site='attn_in' or site='resid_pre'."
-            ),
-            stacklevel=stacklevel,
-        )
 
 
 def score_terms(
@@ -365,10 +339,10 @@ class AttentionProbe(Probe):
     (head <NA>), so a table says which numbers rest on it. Each head also gets a row
     ``kv_group`` = head // (n_heads // n_kv_heads): the key/value head it shares (GQA).
 
-    The null: the same statistics with ``n_null`` random frames of matched rank in the
+    The null: the same statistics with ``head_null`` random frames of matched rank in the
     complement of Q_T in place of Q_T (`normal_controls`), as rows ``{statistic}_null``
     (mean over frames), ``{statistic}_null_std`` and ``{statistic}_z`` per head
-    (``n_null=0`` turns the null off). Each layer is projected once for the basis and
+    (``head_null=0`` turns the null off). Each layer is projected once for the basis and
     all frames (`ScoreSplit`); the basis's terms are float64, the frames' float32 (their
     tangent projections formed in float64; their terms, energies and KL entries float32,
     each row's log-sum-exp and the sums over rows float64): a random frame's tangent part
@@ -384,7 +358,7 @@ class AttentionProbe(Probe):
     and, head <NA>, ``write_basis_{kind}`` with value = the basis site's layer (e.g.
     ``write_basis_resid_mid`` = 3: measured in ``blocks.3.hook_resid_mid``). The write is
     z·W_O before any norm of the attention output (Gemma 3 and OLMo 2 normalise it).
-    ``n_null=0`` drops the write's null rows too.
+    ``head_null=0`` drops the write's null rows too.
     """
 
     name = "attention"
@@ -393,13 +367,13 @@ class AttentionProbe(Probe):
         self,
         layers: Mapping[Site, tuple[TangentBasis, AttentionParams]],
         *,
-        n_null: int = 4,
+        head_null: int = 4,
         seed: int = 0,
         writes: Mapping[int, tuple[Site, TangentBasis, Tensor]] | None = None,
     ) -> None:
         super().__init__()
         self.layers = dict(layers)
-        self.n_null = check_int(n_null, "n_null (head null frames)", minimum=0)
+        self.head_null = check_int(head_null, "head_null (head null frames)", minimum=0)
         self.null_bases: dict[Site, list[TangentBasis]] = {}
         for site, (basis, params) in self.layers.items():
             if site.kind != "attn_in":
@@ -410,10 +384,10 @@ class AttentionProbe(Probe):
                     f"{params.d_model}; fit the basis at this layer's attention input."
                 )
             self.add_state(site.hook_name, lambda n=params.n_heads: AttentionAccumulator(n))
-            if self.n_null and 2 * basis.k <= basis.d:
-                frames = normal_controls(basis, self.n_null, seed=seed + site.layer)
+            if self.head_null and 2 * basis.k <= basis.d:
+                frames = normal_controls(basis, self.head_null, seed=seed + site.layer)
                 self.null_bases[site] = [TangentBasis(f) for f in frames]
-                for j in range(self.n_null):
+                for j in range(self.head_null):
                     key = f"{site.hook_name}/null{j}"
                     self.add_state(key, lambda n=params.n_heads: AttentionAccumulator(n))
         warn_basis_sites({s: b for s, (b, _) in self.layers.items()}, stacklevel=4)
@@ -507,7 +481,7 @@ class AttentionProbe(Probe):
             for stat, per_head in values.items():
                 per_stat = {stat: per_head}
                 if len(nulls) >= 2:
-                    null = torch.stack([n[stat] for n in nulls])  # (n_null, heads)
+                    null = torch.stack([n[stat] for n in nulls])  # (head_null, heads)
                     mean, std = null.mean(0), null.std(0)
                     per_stat |= {
                         f"{stat}_null": mean,
@@ -542,7 +516,7 @@ class AttentionProbe(Probe):
             "write_chance_share": chance,
             "write_share_ratio": torch.tensor([s["share_ratio"] for s in per_head]),
         }
-        if self.n_null and k < d:  # n_null=0 turns every null off, the closed form too
+        if self.head_null and k < d:  # head_null=0 turns every null off, the closed form too
             std = random_share_std(e["total"], e["square"], k, d)
             stats |= {"write_share_null_std": std, "write_share_z": _z(share, chance, std)}
         site = Site(layer, "attn_out")
@@ -582,3 +556,32 @@ def _z(value: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     diff = value - mean
     safe = torch.where(std > 0, std, torch.ones_like(std))
     return torch.where(std > 0, diff / safe, torch.where(diff == 0, 0.0, diff * math.inf))
+
+
+def _inputs(plan: Plan) -> dict[Site, TangentBasis]:
+    return {s: b for s, b in plan.scoped.items() if s.kind == "attn_in"}
+
+
+def _build(plan: Plan, sites: Mapping[Site, TangentBasis], **options: Any) -> AttentionProbe:
+    """Each layer's attention parameters from the backend; each layer's head writes in
+    the residual basis its attention writes into (`write_basis_site`), with its W_O."""
+    backend, writes = plan.backend, {}
+    for site in sites:
+        target = write_basis_site(Site(site.layer, "attn_out"), plan.bases, backend.n_layers)
+        if target is not None:
+            writes[site.layer] = (target, plan.bases[target], backend.output_weight(site.layer))
+    layers = {s: (b, backend.attention_params(s.layer)) for s, b in sites.items()}
+    return AttentionProbe(layers, seed=plan.seed, writes=writes, **options)
+
+
+register(
+    ProbeSpec(
+        "attention",
+        AttentionProbe,
+        _inputs,
+        needs="attn_in (blocks.{l}.ln1.hook_out)",
+        options=("head_null",),
+        build=_build,
+        order=2,
+    )
+)

@@ -44,6 +44,7 @@ from ..subspace import TangentBasis, shares
 from ..uncertainty import jackknife_interval, share_intervals
 from ..validation import check_int
 from .base import Observation, Probe, Sum, ci_columns, row
+from .registry import Plan, ProbeSpec, register
 
 __all__ = ["ResidualProbe", "amplification_rows", "energy_sums", "write_basis_site"]
 
@@ -170,3 +171,20 @@ class ResidualProbe(Probe):
             }
             out += [row(self.name, site, k, v, **ci_columns(cis.get(k))) for k, v in values.items()]
         return out + amplification_rows(self.name, "share_amplification", groups, self._ratio)
+
+
+def _measured(plan: Plan) -> dict[Site, TangentBasis]:
+    """Residual sites with a basis, and each write (attn_out, mlp_out) in scope whose
+    residual basis exists (`write_basis_site`)."""
+    measured = {s: b for s, b in plan.scoped.items() if s.kind in RESIDUAL_KINDS}
+    available = set(plan.backend.sites())
+    for layer in plan.layers:
+        for kind in WRITE_KINDS:
+            write = Site(layer, kind)
+            target = write_basis_site(write, plan.bases, plan.backend.n_layers)
+            if write in available and write in plan.in_scope and target is not None:
+                measured[write] = plan.bases[target]
+    return measured
+
+
+register(ProbeSpec("residual", ResidualProbe, _measured, order=0))

@@ -30,9 +30,6 @@ from ..compute import threads as compute_threads
 from ..errors import UsageError
 from ..hooks.base import Backend, Handle, get_backend
 from ..hooks.sites import (
-    INPUT_KINDS,
-    RESIDUAL_KINDS,
-    WRITE_KINDS,
     NamesFilter,
     Site,
     missing_site_error,
@@ -42,17 +39,18 @@ from ..results import frame
 from ..stats import Moments, SharedBatch, state_dtype
 from ..subspace import TangentBasis
 from ..validation import check_int
+from . import registry, weight_gradient  # noqa: F401 (each probe module registers its probe)
 from .activation import ActivationProbe
 from .attention import AttentionProbe
 from .base import Observation, Probe, row
 from .bases import as_bases, site_order
 from .gradient import GradientProbe
-from .residual import ResidualProbe, write_basis_site
-from .weight_gradient import WeightGradientProbe
+from .registry import Plan
+from .residual import ResidualProbe
 
 __all__ = ["PROBES", "ProbeSession", "probe"]
 
-PROBES = ("residual", "attention", "gradient", "activation", "weight_gradient")
+PROBES = registry.names()  # the built-in probes; `registry.register` adds more
 _MAX_PENDING = 64  # forward masks kept per site while waiting for their backward pass
 
 
@@ -74,9 +72,12 @@ class ProbeSession:
 
     Use as a context manager (`probe`); read `results` afterwards (or inside). Each
     probe is a `tangentlens.probes.base.Probe` in ``self.probes`` (name → probe).
-    ``head_null``: random frames of matched rank behind each head's null
-    (``score_share_*_null``, ``_z``; 0 turns it off). ``probes`` mixes built-in names and
-    your own `Probe` objects. ``group_of(i)`` gives
+    ``probes`` mixes registered names (`tangentlens.probes.registry`) and your own
+    `Probe` objects. ``**options`` are the registered probes' own options, with their
+    probe class's defaults (``n_controls``: random frames per gradient test;
+    ``head_null``: random frames behind each head's null, 0 turns it off;
+    ``reservoir``: activation sample per site); an option no probe takes is an error.
+    ``seed`` seeds every probe's random frames. ``group_of(i)`` gives
     the group of the sequences of forward pass i (default: i), for intervals over tokens.
     ``leaves``: set to a list to collect the embedding outputs (made leaves requiring
     grad) of every forward, to take gradients with respect to them (`run` does).
@@ -92,13 +93,11 @@ class ProbeSession:
         layers: int | Iterable[int] | None = None,
         *,
         sites: NamesFilter = None,
-        n_controls: int = 1000,
         seed: int = 0,
-        reservoir: int = 0,
         n_groups: int = 10,
         group_of: Callable[[int], int] | None = None,
-        head_null: int = 4,
         memory: str = "full",
+        **options: Any,
     ) -> None:
         self.backend: Backend = get_backend(model)
         state_dtype(memory)  # a bad mode fails here, before any probe is built
@@ -107,23 +106,28 @@ class ProbeSession:
         chosen = (probes,) if isinstance(probes, str | Probe) else tuple(probes)
         own = [p for p in chosen if isinstance(p, Probe)]
         names = tuple(p for p in chosen if not isinstance(p, Probe))
-        unknown = [p for p in names if p not in PROBES]
+        unknown = [p for p in names if p not in registry.names()]
         if unknown or not chosen:
             raise UsageError(
-                f"probes must be a non-empty mix of names in {PROBES} and Probe objects; "
-                f"got {probes!r}."
+                f"probes must be a non-empty mix of names in {registry.names()} (registered) and "
+                f"Probe objects; got {probes!r}."
+            )
+        known = registry.option_defaults()
+        stray = sorted(set(options) - set(known))
+        if stray:
+            raise UsageError(
+                f"unknown probe options {stray}; the registered probes take {sorted(known)} "
+                "(and the session sites, seed, n_groups, group_of, memory)."
             )
         self.names = names
         self.layers = _as_layers(layers, self.backend.n_layers)
-        check_int(n_controls, "n_controls", minimum=1)
+        check_int(seed, "seed", minimum=0)
         self.n_groups = check_int(n_groups, "n_groups", minimum=2)
         self.group_of = group_of
-        self.head_null = check_int(head_null, "head_null", minimum=0)
+        self.options = {**known, **options}
         self.bases = as_bases(bases)
         self.skipped: dict[str, str] = {}  # probe name -> why it cannot run on this model
-        self.probes: dict[str, Probe] = (
-            self._plan(self.bases, sites, n_controls, seed, reservoir) if names else {}
-        )
+        self.probes: dict[str, Probe] = self._plan(sites, seed) if names else {}
         for p in own:
             if p.name in self.probes:
                 raise UsageError(f"two probes are named {p.name!r}; give each a distinct name.")
@@ -143,17 +147,11 @@ class ProbeSession:
         self._saved: dict[tuple[str | None, int | None], dict[str, dict[str, Tensor]]] = {}
 
     # .................................................................. planning
-    def _plan(
-        self,
-        bases: dict[Site, TangentBasis],
-        names_filter: NamesFilter,
-        n_controls: int,
-        seed: int,
-        reservoir: int,
-    ) -> dict[str, Probe]:
+    def _plan(self, names_filter: NamesFilter, seed: int) -> dict[str, Probe]:
+        """Each named probe from its registered spec (`tangentlens.probes.registry`)."""
         available = self.backend.sites()
         d = self.backend.d_model
-        for site, basis in bases.items():
+        for site, basis in self.bases.items():
             if site not in available:
                 raise missing_site_error(site, available, self.backend.n_layers)
             if basis.d != d:
@@ -161,120 +159,54 @@ class ProbeSession:
                     f"the basis for {site} has d={basis.d} but the model has d_model={d}; "
                     "fit the bases on this model (fit_bases(model, batches, rank=k))."
                 )
-        in_scope = set(select_sites(available, names_filter))
-        in_scope = {s for s in in_scope if s.layer in self.layers or s.kind == "embed"}
-        scoped = {s: b for s, b in bases.items() if s in in_scope}
-        residual = {s: b for s, b in scoped.items() if s.kind in RESIDUAL_KINDS}
+        in_scope = {
+            s
+            for s in select_sites(available, names_filter)
+            if s.layer in self.layers or s.kind == "embed"
+        }
+        plan = Plan(
+            backend=self.backend,
+            bases=self.bases,
+            scoped={s: b for s, b in self.bases.items() if s in in_scope},
+            in_scope=frozenset(in_scope),
+            layers=tuple(self.layers),
+            seed=seed,
+            n_groups=self.n_groups,
+            memory=self.memory,
+        )
         planned: dict[str, Probe] = {}
-        if "residual" in self.names:
-            measured = dict(residual)
-            for layer in self.layers:
-                for kind in WRITE_KINDS:
-                    write = Site(layer, kind)
-                    target = write_basis_site(write, bases, self.backend.n_layers)
-                    if write in available and write in in_scope and target is not None:
-                        measured[write] = bases[target]
-            self._add(
-                planned,
-                "residual",
-                measured,
-                lambda: ResidualProbe(measured, n_groups=self.n_groups),
-            )
-        if "gradient" in self.names:
-            self._add(
-                planned,
-                "gradient",
-                residual,
-                lambda: GradientProbe(
-                    residual,
-                    n_controls=n_controls,
-                    seed=seed,
-                    n_groups=self.n_groups,
-                    memory=self.memory,
-                ),
-            )
-        if "attention" in self.names:
-            inputs = {s: b for s, b in scoped.items() if s.kind == "attn_in"}
-            self._add(
-                planned,
-                "attention",
-                inputs,
-                lambda: AttentionProbe(
-                    {s: (b, self.backend.attention_params(s.layer)) for s, b in inputs.items()},
-                    n_null=self.head_null,
-                    seed=seed,
-                    writes=self._head_writes(inputs, bases),
-                ),
-            )
-        if "weight_gradient" in self.names:
-            read = {s: b for s, b in scoped.items() if s.kind in INPUT_KINDS}
-            self._add(
-                planned,
-                "weight_gradient",
-                read,
-                lambda: WeightGradientProbe(
-                    read,
-                    self.backend,
-                    n_controls=n_controls,
-                    seed=seed,
-                    n_groups=self.n_groups,
-                    memory=self.memory,
-                ),
-            )
-        if "activation" in self.names:
-            act_sites = sorted(scoped if bases else in_scope, key=site_order)
-            planned["activation"] = ActivationProbe(
-                act_sites, reservoir=reservoir, seed=seed, memory=self.memory
-            )
+        for name in sorted(self.names, key=registry.names().index):
+            spec = registry.get(name)
+            sites = spec.sites(plan)
+            if not sites:
+                warnings.warn(
+                    f"the {name} probe has no site to run on: it needs bases at {spec.needs} "
+                    f"for layers {self.layers}; it is skipped.",
+                    stacklevel=3,
+                )
+                continue
+            try:
+                planned[name] = spec.make(plan, sites, self.options)
+            except UsageError as err:
+                # one that cannot run on this model (an attention module the split does
+                # not know, say) is skipped with one warning; the others still run
+                self.skipped[name] = str(err)
+                warnings.warn(
+                    f"{_model_name(self.model)}: the {name} probe cannot run on this model "
+                    f"and is skipped ({err}); the other probes run.",
+                    stacklevel=3,
+                )
         if not any(p.forward_sites or p.backward_sites for p in planned.values()):
             if self.skipped:
                 reasons = "; ".join(f"{k}: {v}" for k, v in self.skipped.items())
                 raise UsageError(f"nothing to probe on {_model_name(self.model)}: {reasons}")
             raise UsageError(
-                f"nothing to probe: no basis in {sorted(s.hook_name for s in bases) or 'bases'} "
-                f"matches probes={self.names} at layers {self.layers}. Fit bases at those "
-                "sites: fit_bases(model, batches, rank=k, sites=...)."
+                "nothing to probe: no basis in "
+                f"{sorted(s.hook_name for s in self.bases) or 'bases'} matches "
+                f"probes={self.names} at layers {self.layers}. Fit bases at those sites: "
+                "fit_bases(model, batches, rank=k, sites=...)."
             )
         return planned
-
-    def _head_writes(
-        self, inputs: Mapping[Site, TangentBasis], bases: Mapping[Site, TangentBasis]
-    ) -> dict[int, tuple[Site, TangentBasis, Tensor]]:
-        """Per attention layer probed, the residual basis its head writes are measured in
-        (`write_basis_site`, as for the residual probe's ``attn_out``) and its W_O."""
-        writes = {}
-        for site in inputs:
-            target = write_basis_site(Site(site.layer, "attn_out"), bases, self.backend.n_layers)
-            if target is not None:
-                writes[site.layer] = (target, bases[target], self.backend.output_weight(site.layer))
-        return writes
-
-    def _add(
-        self, planned: dict[str, Probe], name: str, sites: Mapping, make: Callable[[], Probe]
-    ) -> None:
-        """Plan probe ``name`` where it has sites. One that cannot run on this model (an
-        attention module the split does not know, say) is skipped with one warning naming
-        the model and the reason (also in ``self.skipped``); the other probes still run."""
-        if sites:
-            try:
-                planned[name] = make()
-            except UsageError as err:
-                self.skipped[name] = str(err)
-                warnings.warn(
-                    f"{_model_name(self.model)}: the {name} probe cannot run on this model "
-                    f"and is skipped ({err}); the other probes run.",
-                    stacklevel=4,
-                )
-            return
-        needed = {
-            "attention": "attn_in (blocks.{l}.ln1.hook_out)",
-            "weight_gradient": "attn_in or mlp_in (blocks.{l}.ln1/ln2.hook_out)",
-        }.get(name, "residual sites")
-        warnings.warn(
-            f"the {name} probe has no site to run on: it needs bases at {needed} "
-            f"for layers {self.layers}; it is skipped.",
-            stacklevel=4,
-        )
 
     # .................................................................. probes
     @property
@@ -545,9 +477,9 @@ def probe(
 
     ``bases``: a `BasisSet` or a dict hook name → `TangentBasis`; the probes run at the
     sites that have a basis (``blocks.{l}.hook_resid_pre`` …; attention at
-    ``blocks.{l}.ln1.hook_out``). Options: ``sites`` (names filter), ``n_controls`` and
-    ``seed`` for the gradient tests, ``reservoir`` (activation sample size per site),
-    ``memory`` (``"full"`` or ``"compact"``: float32 d×d state, for d ≥ 2048).
+    ``blocks.{l}.ln1.hook_out``). Options: ``sites`` (names filter), ``seed``,
+    ``memory`` (``"full"`` or ``"compact"``: float32 d×d state, for d ≥ 2048) and the
+    probes' own (``n_controls``, ``head_null``, ``reservoir``; see `ProbeSession`).
     """
     return ProbeSession(model, bases, probes, layers, **options)
 

@@ -47,6 +47,7 @@ from ..subspace import TangentBasis, tangent_share
 from ..uncertainty import jackknife_interval
 from ..validation import check_int
 from .base import Observation, Probe, Sum, ci_columns, row, sites_bar
+from .registry import Plan, ProbeSpec, register
 
 __all__ = ["WeightGradientProbe", "input_gradient", "matrix_intervals"]
 
@@ -216,3 +217,25 @@ def matrix_intervals(groups: list[Tensor], basis: TangentBasis) -> dict[str, tup
         "tangent_share": jackknife_interval(shares, share),
         "energy_ratio": jackknife_interval(ratios, energy_ratio(share, basis.k, basis.d)),
     }
+
+
+def _input_sites(plan: Plan) -> dict[Site, TangentBasis]:
+    return {s: b for s, b in plan.scoped.items() if s.kind in INPUT_KINDS}
+
+
+def _build(plan: Plan, sites: Mapping[Site, TangentBasis], **options: Any) -> WeightGradientProbe:
+    shared = plan.shared(WeightGradientProbe)
+    return WeightGradientProbe(sites, plan.backend, **shared, **options)
+
+
+register(
+    ProbeSpec(
+        "weight_gradient",
+        WeightGradientProbe,
+        _input_sites,
+        needs="attn_in or mlp_in (blocks.{l}.ln1/ln2.hook_out)",
+        options=("n_controls",),
+        build=_build,
+        order=3,
+    )
+)
