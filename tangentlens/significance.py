@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -63,6 +64,8 @@ __all__ = [
     "energy_test",
     "isotropy_test",
     "matrix_tests",
+    "pooled_shape",
+    "reference_at",
     "tangent_tests",
 ]
 
@@ -432,6 +435,27 @@ def _energy_statistics(
         )
         out["p_value_normal"] = normal.p_value
     return out
+
+
+def pooled_shape(moments: Sequence[Moments]) -> Tensor:
+    """ΔIsoScore*'s reference shape at a site: the mean over the checkpoints analysed
+    together of the trace-normalised gradient covariance C/tr(C), so each checkpoint
+    weighs the same whatever its gradient scale. A probe session analyses each
+    checkpoint (tag) alone: its pool is that one checkpoint."""
+    shapes = []
+    for m in moments:
+        c = m.covariance(ddof=1)
+        shapes.append(c / torch.trace(c))
+    return torch.stack(shapes).mean(0)
+
+
+def reference_at(shape: Tensor, moments: Moments) -> Tensor:
+    """The IsoScore* reference of one checkpoint: ``shape`` (`pooled_shape`) scaled to
+    that checkpoint's own covariance trace. The gradient scale falls by orders of
+    magnitude over training; unscaled, the reference would swamp the late checkpoints'
+    own covariance. With a pool of one checkpoint the reference is its covariance, and
+    the shrinkage ζ has no effect on ΔIsoScore*."""
+    return shape * torch.trace(moments.covariance(ddof=1))
 
 
 def tangent_tests(

@@ -16,8 +16,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tangentlens import results
+from tangentlens import models, results
+from tangentlens.files import load_tensors
 from tangentlens.hooks.sites import Site
+from tangentlens.probes import run
 from tangentlens.probes.bases import BasisSet
 from tangentlens.study import Study, StudyConfig
 from tangentlens.study.collect import load_part
@@ -480,3 +482,42 @@ def test_parts_from_other_weights_are_refused(series_dir, study, tmp_path):
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "weights_hash": "0" * 64}))
     with pytest.raises(ValueError, match="computed from other weights"):
         Study(replace(cfg, checkpoints=str(series))).run(copied)
+
+
+# ----------------------------------------------------------------------- one pipeline
+def test_a_probe_session_and_a_study_give_one_table_on_one_checkpoint(series_dir, tmp_path):
+    """Every row the study and `probes.run` share is the same number, intervals included
+    where both give one: on one checkpoint (copied, so the study has its windows) the
+    study's pooled ΔIsoScore* reference is that checkpoint's own, as the probe's is."""
+    single = tmp_path / "single"
+    for step in (8, 9, 10, 11):
+        shutil.copytree(series_dir / "step8", single / f"step{step}")
+    cfg = _config(single, rank=4)
+    study = Study(cfg).run(tmp_path / "study")
+    tokens = load_tensors(tmp_path / "study" / "probe_set.safetensors")[0]["tokens"]
+    bases = BasisSet.load(tmp_path / "study" / "bases" / "rank4.safetensors")
+    model = models.load(str(single / "step8"), backend=cfg.backend).model
+    session = run(
+        model,
+        list(tokens.split(cfg.batch_size)),
+        bases,
+        ("residual", "gradient"),
+        progress=False,
+        n_controls=cfg.n_controls,
+        zeta=cfg.zeta,
+        seed=cfg.seed,
+        n_groups=cfg.n_groups,
+    )
+    probed = session.results(progress=False)
+    at = study[(study["step"] == 8) & study["probe"].isin(["residual", "gradient"])]
+    key = ["probe", "hook", "statistic"]
+    both = probed.merge(at, on=key, suffixes=("_probe", "_study"))
+    assert set(both["probe"]) == {"residual", "gradient"}
+    assert {"delta_iso_tangent", "isotropy_p_value", "energy_ratio"} <= set(both["statistic"])
+    np.testing.assert_allclose(both["value_probe"], both["value_study"], rtol=1e-9, atol=1e-12)
+    for end in ("ci_low", "ci_high"):
+        shared = both[f"{end}_probe"].notna() & both[f"{end}_study"].notna()
+        assert shared.sum() >= 10
+        np.testing.assert_allclose(
+            both.loc[shared, f"{end}_probe"], both.loc[shared, f"{end}_study"], rtol=1e-9
+        )

@@ -12,6 +12,10 @@ matched-rank controls cost matrix algebra, not another pass:
   of the activations whose gradients are tested);
 - from `isotropy_test`: ``delta_iso_tangent`` and ``delta_iso_normal`` (change of
   IsoScore* when Q_T, or a normal control, is projected out) and ``isotropy_p_value``.
+  IsoScore* is shrunk by ``zeta`` toward the reference a study uses
+  (`tangentlens.significance.pooled_shape`), from a pool of this one checkpoint: the
+  reference is then the gradients' own covariance, so a probe session and a study of
+  one checkpoint give one number (ζ has no effect there).
 
 Intervals: ``ci_low``/``ci_high`` (95 %) for ``tangent_share``, ``energy_ratio`` and
 ``normalized_ratio`` come from a delete-a-group jackknife (`tangentlens.uncertainty`)
@@ -43,12 +47,13 @@ import torch
 from ..compute import site_map
 from ..errors import UsageError
 from ..hooks.sites import RESIDUAL_KINDS, Site
-from ..significance import energy_ratio, tangent_tests
+from ..significance import energy_ratio, pooled_shape, reference_at, tangent_tests
 from ..stats import Moments, state_dtype
 from ..subspace import TangentBasis
 from ..uncertainty import share_intervals
 from ..validation import check_int
 from .base import Observation, Probe, Sum, ci_columns, first_equal, row, sites_bar
+from .registry import Plan, ProbeSpec, register
 from .residual import amplification_rows, energy_sums
 
 __all__ = ["GradientProbe"]
@@ -64,6 +69,7 @@ class GradientProbe(Probe):
         bases: Mapping[Site, TangentBasis],
         *,
         n_controls: int = 1000,
+        zeta: float = 0.1,
         seed: int = 0,
         n_groups: int = 10,
         memory: str = "full",
@@ -77,6 +83,11 @@ class GradientProbe(Probe):
                 )
         self.bases = dict(bases)
         self.n_controls = check_int(n_controls, "n_controls", minimum=1)
+        if not (isinstance(zeta, int | float) and 0 <= zeta <= 1):
+            raise UsageError(
+                f"zeta (IsoScore* shrinkage) must be a number in [0, 1]; got {zeta!r}."
+            )
+        self.zeta = float(zeta)
         self.seed = check_int(seed, "seed", minimum=0)
         self.n_groups = check_int(n_groups, "n_groups", minimum=2)
         self.memory = memory
@@ -120,8 +131,15 @@ class GradientProbe(Probe):
 
         def test(item: tuple[Site, Moments]) -> dict[str, float]:
             site, grads = item
+            # ΔIsoScore*'s reference as a study's, from a pool of this one checkpoint
+            reference = reference_at(pooled_shape([grads]), grads)
             return tangent_tests(
-                grads, self.bases[site], n_controls=self.n_controls, seed=self.seed
+                grads,
+                self.bases[site],
+                n_controls=self.n_controls,
+                seed=self.seed,
+                zeta=self.zeta,
+                reference=reference,
             )
 
         results = site_map(test, [sites[i] for i in order])
@@ -156,3 +174,12 @@ class GradientProbe(Probe):
             return {}
         basis = self.bases[site]
         return share_intervals(seen[:, :2], k=basis.k, d=basis.d, activation_sums=seen[:, 2:])
+
+
+def _residual_sites(plan: Plan) -> dict[Site, TangentBasis]:
+    return {s: b for s, b in plan.scoped.items() if s.kind in RESIDUAL_KINDS}
+
+
+register(
+    ProbeSpec("gradient", GradientProbe, _residual_sites, options=("n_controls", "zeta"), order=1)
+)

@@ -32,7 +32,7 @@ from ..metrics import effective_rank, isoscore, participation_ratio, twonn_dimen
 from ..probes.bases import BasisSet
 from ..probes.residual import write_basis_site
 from ..probes.weight_gradient import matrix_intervals
-from ..significance import matrix_tests, tangent_tests
+from ..significance import matrix_tests, pooled_shape, reference_at, tangent_tests
 from ..stats import Moments
 from ..subspace import (
     TangentBasis,
@@ -60,16 +60,6 @@ def _fisher_ci(r: float, n: int, spearman: bool) -> tuple[float, float]:
     se = math.sqrt((1.06 if spearman else 1.0) / (n - 3))
     z = math.atanh(r)
     return math.tanh(z - _Z95 * se), math.tanh(z + _Z95 * se)
-
-
-def _pooled_shape(moments: list[Moments]) -> Tensor:
-    """Mean over checkpoints of the trace-normalised gradient covariance C/tr(C): each
-    checkpoint weighs the same, whatever its gradient scale."""
-    shapes = []
-    for m in moments:
-        c = m.covariance(ddof=1)
-        shapes.append(c / torch.trace(c))
-    return torch.stack(shapes).mean(0)
 
 
 def _merge(moments: list[Moments]) -> Moments:
@@ -194,7 +184,7 @@ def _site_rows(
     part: Part,
     site: Site,
     bases: dict[int, dict[Site, Any]],
-    pooled_shape: Tensor,
+    shape: Tensor,
     summary: WindowSummary,
 ) -> None:
     """Activation and gradient statistics at one residual site of one checkpoint."""
@@ -221,10 +211,7 @@ def _site_rows(
         "n_tokens": grad.count,
     }
     rows.add("gradient", grad_free, site=site)
-    # IsoScore* reference: the pooled gradient covariance, rescaled to this checkpoint's
-    # trace (gradient scale falls ~1000x in training; unscaled, the reference would swamp
-    # the late checkpoints' own covariance).
-    reference = pooled_shape * torch.trace(grad.covariance(ddof=1))
+    reference = reference_at(shape, grad)  # ΔIsoScore*'s, as the gradient probe's
     act_groups = [m for m in part.act_groups[site] if m.count]
     grad_groups = [m for m in part.grad_groups[site] if m.count]
     for k in cfg.ranks:
@@ -346,7 +333,7 @@ def analyse(
     sites = sorted(first.grads, key=lambda s: (s.layer, RESIDUAL_KINDS.index(s.kind)))
     writes = sorted((s for s in first.acts if s.kind in WRITE_KINDS), key=lambda s: s.hook_name)
     inputs = sorted(first.wgrad_groups, key=lambda s: (s.layer, INPUT_KINDS.index(s.kind)))
-    pooled_shape = {s: _pooled_shape([parts[t].grads[s] for t in steps]) for s in sites}
+    shapes = {s: pooled_shape([parts[t].grads[s] for t in steps]) for s in sites}
     bases = _fit_bases(cfg, series, early, parts, sites + inputs, out)
     embed_site = Site(0, "resid_pre")
     embed_bases = {k: b[embed_site] for k, b in bases.items()} if embed_site in sites else None
@@ -364,7 +351,7 @@ def analyse(
         if step in duplicates:
             rows.add("checkpoint", {"duplicate_of": duplicates[step]})
         for site in sites:
-            _site_rows(rows, cfg, part, site, bases, pooled_shape[site], summary)
+            _site_rows(rows, cfg, part, site, bases, shapes[site], summary)
         for site in inputs:
             _weight_rows(rows, cfg, part, site, bases, summary)
         for k in cfg.ranks:
