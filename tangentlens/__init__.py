@@ -32,6 +32,7 @@ _LAZY = {
 }
 _SUBMODULES = {
     "errors",
+    "catalogue",
     "files",
     "validation",
     "stats",

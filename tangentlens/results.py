@@ -23,6 +23,9 @@ ci_low        float64   lower end of its 95 % interval over tokens, where there 
 ci_high       float64   upper end
 ============  ========  ===========================================================
 
+Every ``statistic`` is a name in `tangentlens.catalogue` (docs/STATISTICS.md): `write`
+refuses a table with a name the catalogue lacks; `frame` and `read` take any name.
+
 One writer (`write`: CSV and JSON, atomically), one reader (`read`: strict, a damaged
 file is a `CorruptFileError` naming the file and line, never a partial table) and one
 filter (`select`), used by the report, the depth profile and the CLI.
@@ -39,6 +42,7 @@ from typing import Any
 
 import pandas as pd
 
+from . import catalogue
 from .errors import CorruptFileError, MissingFileError, UsageError
 from .files import write_text
 
@@ -107,8 +111,12 @@ def _missing(value: Any) -> bool:
 
 # ----------------------------------------------------------------------------- write
 def write(table: pd.DataFrame, folder: str | Path, name: str = "results") -> tuple[Path, Path]:
-    """Write ``folder/{name}.csv`` and ``.json`` atomically; returns both paths."""
+    """Write ``folder/{name}.csv`` and ``.json`` atomically; returns both paths.
+
+    A statistic missing from `tangentlens.catalogue` is a `UsageError` naming it, and
+    nothing is written (register it with ``tangentlens.catalogue.register``)."""
     table = frame(table)
+    catalogue.check_names(table["statistic"].unique(), f"writing {Path(folder) / name}")
     folder = Path(folder)
     csv_text = table.to_csv(index=False, na_rep="")
     records = [

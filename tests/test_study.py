@@ -183,6 +183,18 @@ def test_table_columns_windows_and_statistics(study):
     assert frame.loc[frame["statistic"] == "twonn_dimension", "rank"].isna().all()
 
 
+def test_every_statistic_is_catalogued(study):
+    """Each name of the study's table has a catalogue entry that lists its probe."""
+    from tangentlens.catalogue import STATISTICS
+
+    _, out, table = study
+    on_disk = results.read(out)
+    assert set(on_disk["statistic"]) == set(table["statistic"])
+    for (probe, name), _ in table.groupby(["probe", "statistic"]):
+        assert name in STATISTICS, name
+        assert probe in STATISTICS[name].probes, (name, probe)
+
+
 def test_intervals_basis_diagnostics_and_grouped_twonn(study):
     """Issue 11 in the study: jackknife intervals contain their values, basis rows exist,
     TwoNN is measured across sequences with the within-sequence estimate beside it."""
