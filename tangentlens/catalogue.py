@@ -110,18 +110,18 @@ _CONTROLS = "; the n matched-rank random frames (n_controls, seed)"
 _STUDY = "; in a study also the checkpoint and the rank column"
 _KD = "k and d only"
 _ISO_OPTION = (
-    "ζ (StudyConfig.zeta; the paper's shrinkage) and the reference R: in a study the "
-    "pooled trace-normalised gradient covariance scaled to the checkpoint's trace; a "
-    "probe session uses ζ = 0"
+    "ζ (StudyConfig.zeta and the gradient probe's zeta, one default; the paper's "
+    "shrinkage) and the reference R: the trace-normalised gradient covariance pooled over "
+    "the checkpoints analysed together, scaled to the checkpoint's trace"
 )
 _ISO_DEF = (
     "IsoScore* is the IsoScore (PR − 1)/(d − 1), PR = tr(S)²/tr(S²), of S = (1 − ζ)·C + ζ·R, C "
     "the gradient covariance (n − 1 normalisation); after removing a frame Q it is measured in "
-    "the complement's coordinates (dimension d − k). In a study R is the trace-normalised "
-    "gradient covariance averaged over the checkpoints analysed together, scaled to this "
-    "checkpoint's trace, and ζ = StudyConfig.zeta; a probe session analyses each checkpoint "
-    "(tag) alone, so R is that checkpoint's own covariance and ζ has no effect (the same as "
-    "ζ = 0)."
+    "the complement's coordinates (dimension d − k). R is the trace-normalised gradient "
+    "covariance averaged over the checkpoints analysed together, scaled to this checkpoint's "
+    "trace (significance.pooled_shape, reference_at). A probe session analyses each "
+    "checkpoint (tag) alone, so R is that checkpoint's own covariance and ζ has no effect; "
+    "a study and a probe session of one checkpoint give the same number."
 )
 _BASE = [
     _S("tangent_share", ("residual", "gradient", "weight_gradient"),
