@@ -7,6 +7,8 @@
     tangentlens report DIR                          re-render report.html from saved results
 
 Imports stay inside the commands so ``tangentlens --help`` answers without loading torch.
+Every default and its help text come from `tangentlens.settings`, the records the API's
+signatures and config dataclasses read too.
 Mistakes a person can make end in one line on stderr that names the fix and exit code 2;
 set ``TANGENTLENS_DEBUG=1`` to see the traceback instead.
 """
@@ -24,6 +26,7 @@ from typing import NoReturn
 
 from . import __version__
 from .errors import CorruptFileError, UsageError
+from .settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY, TRAIN, Setting, shown
 from .validation import BACKENDS, CONTROLS
 
 __all__ = ["build_parser", "main"]
@@ -38,6 +41,17 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see `{self.prog} --help`.\n")
+
+
+def _help(setting: Setting, *, quick: object = None, trainer: str = "") -> str:
+    """``setting``'s help with its default (and its ``--quick`` value, and for a
+    `tangentlens train` folder the trainer's ``trainer`` setting in its place)."""
+    default = setting.default_text
+    if quick is not None:
+        default += f"; {shown(quick)} with --quick"
+    if trainer:
+        default += f", or the trainer's {trainer} for a `tangentlens train` folder"
+    return f"{setting.help} (default: {default})".replace("%", "%%")
 
 
 def _positive_int(text: str) -> int:
@@ -122,7 +136,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
         out,
         backend=args.backend,
         text=args.text,
-        encoding=args.encoding or "utf-8",
+        encoding=args.encoding,
         rank=args.rank,
         layers=args.layers,
         tokens=args.tokens,
@@ -224,13 +238,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    kjv = "text file or folder of .txt files (default: the King James Bible)"
-    text = argparse.ArgumentParser(add_help=False)
-    text.add_argument(
-        "--encoding",
-        metavar="NAME",
-        help="encoding of --text/--corpus files, read strictly (utf-8); e.g. latin-1",
-    )
 
     demo = sub.add_parser(
         "demo",
@@ -239,13 +246,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the small model on the embedded corpus (King James Bible), run "
         "the study over its checkpoints, probe the attention heads, write report.html.",
     )
-    demo.add_argument("--out", metavar="DIR", default="tangentlens-demo", help="(%(default)s)")
+    demo.add_argument(
+        "--out",
+        metavar="DIR",
+        default="tangentlens-demo",
+        help="output folder (default: %(default)s)",
+    )
     demo.add_argument("--quick", action="store_true", help="tiny configs: seconds (tests)")
     demo.set_defaults(func=cmd_demo, world_size=1)
 
     probe = sub.add_parser(
         "probe",
-        parents=[common, text],
+        parents=[common],
         help="probe one checkpoint: bases, probes, tables, figures",
         description="Fit rank-k tangent bases at resid_pre and the attention input on one "
         "half of the tokens, run the residual, attention and gradient probes on the other "
@@ -257,61 +269,91 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="smollm2-135m, minilm-l6, gemma3-270m, a local Hugging Face folder, or a hub id",
     )
-    probe.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0], help="(%(default)s)")
-    probe.add_argument("--text", metavar="FILE", help=kjv)
     probe.add_argument(
-        "--rank", metavar="K", type=_positive_int, default=16, help="rank of Q_T (16)"
+        "--backend", choices=BACKENDS, default=PROBE.backend.default, help=_help(PROBE.backend)
     )
-    probe.add_argument("--layers", metavar="L", type=_layer, nargs="+", help="layers (all)")
+    probe.add_argument("--text", metavar="FILE", default=PROBE.text.default, help=_help(PROBE.text))
+    probe.add_argument(
+        "--encoding", metavar="NAME", default=PROBE.encoding.default, help=_help(PROBE.encoding)
+    )
+    probe.add_argument(
+        "--rank",
+        metavar="K",
+        type=_positive_int,
+        default=PROBE.rank.default,
+        help=_help(PROBE.rank),
+    )
+    probe.add_argument(
+        "--layers",
+        metavar="L",
+        type=_layer,
+        nargs="+",
+        default=PROBE.layers.default,
+        help=_help(PROBE.layers),
+    )
     probe.add_argument(
         "--tokens",
         metavar="N",
         type=_positive_int,
-        default=1024,
-        help="tokens probed; as many again fit the bases (%(default)s)",
+        default=PROBE.tokens.default,
+        help=_help(PROBE.tokens),
     )
     probe.add_argument(
-        "--seq-len", metavar="N", type=_seq_len, default=128, help="tokens per row (128)"
+        "--seq-len",
+        metavar="N",
+        type=_seq_len,
+        default=PROBE.seq_len.default,
+        help=_help(PROBE.seq_len),
     )
     probe.add_argument(
-        "--batch-size", metavar="N", type=_positive_int, default=8, help="rows per batch (8)"
+        "--batch-size",
+        metavar="N",
+        type=_positive_int,
+        default=PROBE.batch_size.default,
+        help=_help(PROBE.batch_size),
     )
     probe.add_argument(
         "--n-controls",
         metavar="N",
         type=_positive_int,
-        default=200,
-        help="random frames per test (200)",
+        default=PROBE.n_controls.default,
+        help=_help(PROBE.n_controls),
     )
     probe.add_argument(
         "--world-size",
         metavar="N",
         type=_positive_int,
-        default=1,
-        help="data-parallel processes (1)",
+        default=PROBE.world_size.default,
+        help=_help(PROBE.world_size),
     )
     probe.add_argument("--out", metavar="DIR", required=True, help="output folder")
     probe.set_defaults(func=cmd_probe)
 
+    # train and study: an option left out is None, so the config's own default applies
+    # (after --quick's, and for a study, a `tangentlens train` folder's); help shows it.
     train = sub.add_parser(
         "train",
-        parents=[common, text],
+        parents=[common],
         help="train the small model, save its checkpoints",
         description="Train a small Llama-style LM with a Pythia-like checkpoint schedule "
         "(step0, step1, step2, step4, ...); a rerun with the same options resumes.",
     )
     train.add_argument("--out", metavar="DIR", required=True, help="output folder")
-    train.add_argument("--corpus", metavar="FILE", help=kjv)
+    train.add_argument("--corpus", metavar="FILE", help=_help(TRAIN.corpus))
+    train.add_argument("--encoding", metavar="NAME", help=_help(TRAIN.encoding))
     train.add_argument(
-        "--max-steps", metavar="N", type=_positive_int, help="training steps (default: TrainConfig)"
+        "--max-steps",
+        metavar="N",
+        type=_positive_int,
+        help=_help(TRAIN.max_steps, quick=QUICK_TRAIN["max_steps"]),
     )
-    train.add_argument("--seed", metavar="N", type=_seed, help="random seed (0)")
+    train.add_argument("--seed", metavar="N", type=_seed, help=_help(TRAIN.seed))
     train.add_argument("--quick", action="store_true", help="a tiny model: seconds")
     train.set_defaults(func=cmd_train)
 
     study = sub.add_parser(
         "study",
-        parents=[common, text],
+        parents=[common],
         help="the training-dynamics study over a checkpoint series",
         description="Fit Q_T on the early-window checkpoints, test the gradients of every "
         "checkpoint against it, measure embedding geometry, write the results and "
@@ -324,38 +366,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="a folder of step{N}/ checkpoints, or a hub id such as EleutherAI/pythia-70m",
     )
     study.add_argument("--out", metavar="DIR", required=True, help="output folder")
-    study.add_argument("--backend", choices=BACKENDS, help="(transformer_lens)")
-    study.add_argument("--rank", metavar="K", type=_positive_int, nargs="+", help="rank(s) (16)")
+    study.add_argument("--backend", choices=BACKENDS, help=_help(STUDY.backend))
+    study.add_argument("--rank", metavar="K", type=_positive_int, nargs="+", help=_help(STUDY.rank))
     study.add_argument(
-        "--n-controls", metavar="N", type=_positive_int, help="random frames per test (1000)"
+        "--n-controls",
+        metavar="N",
+        type=_positive_int,
+        help=_help(STUDY.n_controls, quick=QUICK_STUDY["n_controls"]),
     )
+    study.add_argument("--controls", choices=CONTROLS, help=_help(STUDY.controls))
     study.add_argument(
-        "--controls",
-        choices=CONTROLS,
-        help="the frames behind the summary's p-values: uniform (exact) or normal (the paper's)",
+        "--window-fraction", metavar="F", type=_fraction, help=_help(STUDY.window_fraction)
     )
-    study.add_argument("--window-fraction", metavar="F", type=_fraction, help="of the steps (0.3)")
+    study.add_argument("--windows", choices=("step", "index"), help=_help(STUDY.windows))
+    study.add_argument("--early", metavar="LO:HI", type=_step_range, help=_help(STUDY.early))
+    study.add_argument("--late", metavar="LO:HI", type=_step_range, help=_help(STUDY.late))
     study.add_argument(
-        "--windows",
-        choices=("step", "index"),
-        help="early/late = first/last fraction of the training steps (step, default) or of "
-        "the checkpoints (index: the paper's rule)",
+        "--sequences",
+        metavar="N",
+        type=_positive_int,
+        help=_help(STUDY.n_sequences, quick=QUICK_STUDY["n_sequences"]),
     )
-    study.add_argument("--early", metavar="LO:HI", type=_step_range, help="early steps")
-    study.add_argument("--late", metavar="LO:HI", type=_step_range, help="late steps")
-    study.add_argument(
-        "--sequences", metavar="N", type=_positive_int, help="probe set, in sequences (256)"
-    )
-    study.add_argument("--corpus", metavar="FILE", help=kjv)
-    study.add_argument("--seed", metavar="N", type=_seed, help="random seed (0)")
+    study.add_argument("--corpus", metavar="FILE", help=_help(STUDY.corpus, trainer="corpus"))
+    study.add_argument("--encoding", metavar="NAME", help=_help(STUDY.encoding, trainer="encoding"))
+    study.add_argument("--seed", metavar="N", type=_seed, help=_help(STUDY.seed, trainer="seed"))
     study.add_argument(
         "--world-size",
         metavar="N",
         type=_positive_int,
-        default=1,
-        help="data-parallel processes (1)",
+        default=STUDY.world_size.default,
+        help=_help(STUDY.world_size),
     )
-    study.add_argument("--quick", action="store_true", help="few controls and tokens")
+    quick = ", ".join(f"{k} {v}" for k, v in QUICK_STUDY.items())
+    study.add_argument("--quick", action="store_true", help=f"few controls and tokens: {quick}")
     study.set_defaults(func=cmd_study)
 
     report = sub.add_parser(
@@ -366,7 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("dir", metavar="DIR", help="the --out folder of study, probe or demo")
     report.add_argument(
-        "--out", metavar="FILE", help="the HTML file to write, not a folder (DIR/report.html)"
+        "--out",
+        metavar="FILE",
+        help="the HTML file to write, not a folder (default: DIR/report.html)",
     )
     report.set_defaults(func=cmd_report)
     return parser

@@ -46,6 +46,7 @@ from .files import (
     tensor_hash,
     write_json,
 )
+from .settings import TRAIN
 from .validation import check_encoding, is_int
 from .version import __version__
 
@@ -75,10 +76,13 @@ def checkpoint_steps(max_steps: int, last_log_step: int = 512, every: int = 1000
 
 @dataclass
 class TrainConfig:
-    """Everything that determines a training run (the run is a function of this)."""
+    """Everything that determines a training run (the run is a function of this).
 
-    corpus: str | None = None  # text file, folder of .txt files, or None for the KJV
-    encoding: str = "utf-8"  # of the corpus files (decoded strictly)
+    The defaults of the settings `tangentlens train` offers are `tangentlens.settings.TRAIN`.
+    """
+
+    corpus: str | None = TRAIN.corpus.default  # text file, folder of .txt, or None: the KJV
+    encoding: str = TRAIN.encoding.default  # of the corpus files (decoded strictly)
     max_chars: int | None = None  # keep only the first characters of the corpus
     vocab_size: int = 4096
     d_model: int = 128
@@ -88,7 +92,7 @@ class TrainConfig:
     d_mlp: int = 384
     seq_len: int = 64
     batch_size: int = 8
-    max_steps: int = 256
+    max_steps: int = TRAIN.max_steps.default
     last_log_step: int = 128
     checkpoint_every: int = 32
     lr: float = 3e-3
@@ -100,7 +104,7 @@ class TrainConfig:
     dropout: float = 0.0
     probe_fraction: float = 0.05
     eval_blocks: int = 32
-    seed: int = 0
+    seed: int = TRAIN.seed.default
     num_threads: int = 1  # torch threads while training; results are exact for a fixed value
     tie_embeddings: bool = True  # as SmolLM2 and Gemma-3, the models it is compared with
     objective: str = "causal"  # "causal": Llama decoder; "masked": BERT encoder (no n_kv_heads)

@@ -35,6 +35,7 @@ from .probes.driver import fit_bases, run
 from .report import write_overview, write_report
 from .report.page import is_report
 from .report.verdicts import compare_models, verdicts
+from .settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY
 from .study import Study, StudyConfig
 from .train import TrainConfig, train
 from .validation import check_backend, check_encoding, check_int, check_rank, is_int
@@ -55,13 +56,6 @@ __all__ = [
 ]
 
 CHECKPOINTS_DIR = "checkpoints"
-QUICK_STUDY = {
-    "n_controls": 50,
-    "n_permutations": 20,
-    "n_sequences": 8,
-    "batch_size": 4,
-    "reservoir": 256,
-}
 PROBE_OUTPUTS = ("results.csv", "results.json", "manifest.json", "report.html", "bases", "figures")
 MODEL_KINDS = {"decoder": "causal", "encoder": "masked"}
 SUMMARY_FILE = "summary.json"
@@ -151,9 +145,9 @@ def probe_checkpoint(
     rank: int,
     layers: Sequence[int] | None = None,
     probes: Sequence[str] = ("residual", "attention", "gradient"),
-    batch_size: int = 8,
-    n_controls: int = 1000,
-    world_size: int = 1,
+    batch_size: int = PROBE.batch_size.default,
+    n_controls: int = PROBE.n_controls.default,
+    world_size: int = PROBE.world_size.default,
     model_factory: Callable[[], Any] | None = None,
     progress: bool = True,
 ) -> tuple[pd.DataFrame, BasisSet]:
@@ -182,23 +176,24 @@ def probe_model(
     name: str,
     out: Path,
     *,
-    backend: str = "transformer_lens",
-    text: str | None = None,
-    encoding: str = "utf-8",
-    rank: int = 16,
-    layers: Sequence[int] | None = None,
-    tokens: int = 1024,
-    seq_len: int = 128,
-    batch_size: int = 8,
-    n_controls: int = 200,
-    world_size: int = 1,
+    backend: str = PROBE.backend.default,
+    text: str | None = PROBE.text.default,
+    encoding: str = PROBE.encoding.default,
+    rank: int = PROBE.rank.default,
+    layers: Sequence[int] | None = PROBE.layers.default,
+    tokens: int = PROBE.tokens.default,
+    seq_len: int = PROBE.seq_len.default,
+    batch_size: int = PROBE.batch_size.default,
+    n_controls: int = PROBE.n_controls.default,
+    world_size: int = PROBE.world_size.default,
     config: dict[str, Any] | None = None,
     progress: bool = True,
     log: Log = _quiet,
 ) -> tuple[pd.DataFrame, Path]:
     """One model: fit bases, run the probes, write ``results.csv/json``, ``bases/``,
     ``manifest.json`` and ``report.html`` into ``out``, a folder only this probe (same
-    model and options) writes. Returns ``(table, report)``."""
+    model and options) writes. Returns ``(table, report)``. Defaults:
+    `tangentlens.settings.PROBE` (what `tangentlens probe` shows)."""
     settings = {
         "model": _local(name),
         "backend": check_backend(backend),
@@ -306,8 +301,8 @@ def train_config(
         "objective": objective,
     }
     overrides = {k: v for k, v in chosen.items() if v is not None}
-    if quick:  # five checkpoints (0, 1, 2, 4, 8) of a tiny model: seconds
-        return TrainConfig.tiny(**{"max_steps": 8, **overrides})
+    if quick:  # a tiny model, `QUICK_TRAIN`: seconds
+        return TrainConfig.tiny(**{**QUICK_TRAIN, **overrides})
     return TrainConfig(**overrides)
 
 
@@ -345,7 +340,11 @@ def study_config(checkpoints: str, *, quick: bool = False, **options: Any) -> St
 
 
 def run_study(
-    config: StudyConfig, out: Path, *, world_size: int = 1, progress: bool = True
+    config: StudyConfig,
+    out: Path,
+    *,
+    world_size: int = STUDY.world_size.default,
+    progress: bool = True,
 ) -> pd.DataFrame:
     """Run (or resume) the study into ``out`` and write its report, holding the folder."""
     with lock_folder(out, "study"):

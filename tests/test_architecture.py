@@ -20,6 +20,7 @@ FLOORS = {
     "validation": 1,
     "files": 1,
     "version": 1,
+    "settings": 1,
     "compute": 1,
     "stats": 2,
     "metrics": 2,

@@ -16,6 +16,7 @@ from ..errors import UsageError
 from ..files import dataclass_from_dict
 from ..hooks.sites import RESIDUAL_KINDS
 from ..models import is_hub_id
+from ..settings import STUDY
 from ..validation import BACKENDS, CONTROLS, check_encoding, check_rank, is_int
 
 __all__ = ["StudyConfig", "open_series", "threads"]
@@ -23,31 +24,35 @@ __all__ = ["StudyConfig", "open_series", "threads"]
 
 @dataclass
 class StudyConfig:
-    """Everything that determines a study's results (``progress`` aside)."""
+    """Everything that determines a study's results (``progress`` aside).
+
+    The defaults of the settings `tangentlens study` offers are `tangentlens.settings.STUDY`
+    (the command line shows the same values).
+    """
 
     checkpoints: str  # a folder of step{N} checkpoints, or a hub id (owner/name)
-    backend: str = "transformer_lens"
+    backend: str = STUDY.backend.default
     sites: tuple[str, ...] = ("resid_pre", "resid_post")
     writes: bool = True  # attn_out / mlp_out activation Moments for the write ratios
     weight_gradient: bool = True  # Σ G Gᵀ of the maps reading attn_in / mlp_in (the paper's)
     head_sequences: int = 8  # probe sequences behind the per-head shares (0: no heads)
     head_null: int = 4  # random normal frames behind each head share's null (0: no null)
-    rank: int | tuple[int, ...] = 16
-    window_fraction: float = 0.3
-    windows: str = "step"  # "step": fraction of training steps; "index": of checkpoints
-    early: tuple[int, int] | None = None  # inclusive step range; overrides the fraction
-    late: tuple[int, int] | None = None
-    n_controls: int = 1000
-    controls: str = "uniform"  # the controls behind the p-value the summary reads
+    rank: int | tuple[int, ...] = STUDY.rank.default
+    window_fraction: float = STUDY.window_fraction.default
+    windows: str = STUDY.windows.default  # "step": of training steps; "index": of checkpoints
+    early: tuple[int, int] | None = STUDY.early.default  # inclusive steps; override the fraction
+    late: tuple[int, int] | None = STUDY.late.default
+    n_controls: int = STUDY.n_controls.default
+    controls: str = STUDY.controls.default  # the controls behind the summary's p-value
     zeta: float = 0.1
-    seed: int = 0
-    n_sequences: int = 256  # 16,384 tokens at seq_len 64: stable bases, 32 sequences a group
+    seed: int = STUDY.seed.default
+    n_sequences: int = STUDY.n_sequences.default  # 16,384 tokens at seq_len 64: stable bases
     seq_len: int = 64
     batch_size: int = 16
     n_groups: int = 8  # groups of probe batches for the jackknife intervals over tokens
     probe_fraction: float = 0.05
-    corpus: str | None = None  # text file, folder of .txt, or None for the KJV
-    encoding: str = "utf-8"  # of the corpus files (decoded strictly)
+    corpus: str | None = STUDY.corpus.default  # text file, folder of .txt, or None: the KJV
+    encoding: str = STUDY.encoding.default  # of the corpus files (decoded strictly)
     max_chars: int | None = None
     reservoir: int = 1000  # tokens sampled per site for TwoNN (0: no TwoNN)
     n_permutations: int = 200

@@ -1,0 +1,117 @@
+"""The settings the command line offers: one default and one help text each, no torch.
+
+`tangentlens.study.StudyConfig`, `tangentlens.train.TrainConfig` and the workflow
+functions (`tangentlens.workflows.probe_model`, `run_study`) take their defaults from these
+records, and `tangentlens.cli` reads the same records for its argparse defaults and its
+help, so a default cannot differ between the API, the command line and ``--help`` (which
+answers without importing torch). Each group's field names are the API's parameter names;
+``tests/test_settings.py`` checks every option of every command against the API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .validation import BACKENDS, CONTROLS
+
+__all__ = ["PROBE", "QUICK_STUDY", "QUICK_TRAIN", "STUDY", "TRAIN", "Setting", "shown"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its default and what it means (help adds "(default: ...)").
+
+    ``shown`` names a default of None in words ("all", "the King James Bible").
+    """
+
+    default: Any
+    help: str
+    shown: str | None = None
+
+    @property
+    def default_text(self) -> str:
+        """The default as help shows it."""
+        return shown(self.default) if self.shown is None else self.shown
+
+
+def shown(value: Any) -> str:
+    """A default value as help shows it: ``16``, ``0.3``, ``uniform``."""
+    return str(value)
+
+
+# Shared by several commands, with one meaning and one default.
+BACKEND = Setting(BACKENDS[0], "model library")
+ENCODING = Setting("utf-8", "encoding of the text files, read strictly, e.g. latin-1")
+TEXT = Setting(None, "text file or folder of .txt files", shown="the King James Bible")
+RANK = Setting(16, "rank of Q_T")
+N_CONTROLS = Setting(1000, "random frames per test")
+SEED = Setting(0, "random seed")
+WORLD_SIZE = Setting(1, "data-parallel processes")
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """`tangentlens probe`: the keyword parameters of `workflows.probe_model`."""
+
+    backend: Setting = BACKEND
+    text: Setting = TEXT
+    encoding: Setting = ENCODING
+    rank: Setting = RANK
+    layers: Setting = Setting(None, "layers", shown="all")
+    tokens: Setting = Setting(1024, "tokens probed; as many again fit the bases")
+    seq_len: Setting = Setting(128, "tokens per row")
+    batch_size: Setting = Setting(8, "rows per batch")
+    n_controls: Setting = N_CONTROLS
+    world_size: Setting = WORLD_SIZE
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """`tangentlens train`: fields of `TrainConfig`."""
+
+    corpus: Setting = TEXT
+    encoding: Setting = ENCODING
+    max_steps: Setting = Setting(256, "training steps")
+    seed: Setting = SEED
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    """`tangentlens study`: fields of `StudyConfig`, and ``world_size`` of `run_study`."""
+
+    backend: Setting = BACKEND
+    rank: Setting = Setting(RANK.default, "rank(s) of Q_T")
+    n_controls: Setting = N_CONTROLS
+    controls: Setting = Setting(
+        CONTROLS[0], "the frames behind the summary's p-values: uniform, exact; normal, the paper's"
+    )
+    window_fraction: Setting = Setting(0.3, "early/late window, as a fraction of the steps")
+    windows: Setting = Setting(
+        "step",
+        "the window fraction counts training steps (step) or checkpoints (index, the paper's)",
+    )
+    early: Setting = Setting(None, "early steps", shown="the first --window-fraction")
+    late: Setting = Setting(None, "late steps", shown="the last --window-fraction")
+    n_sequences: Setting = Setting(256, "probe set, in sequences")
+    corpus: Setting = TEXT
+    encoding: Setting = ENCODING
+    seed: Setting = SEED
+    world_size: Setting = WORLD_SIZE
+
+
+PROBE = ProbeSettings()
+TRAIN = TrainSettings()
+STUDY = StudySettings()
+
+QUICK_TRAIN = {"max_steps": 8}
+"""`--quick` training: five checkpoints (0, 1, 2, 4, 8) of `TrainConfig.tiny`: seconds."""
+
+QUICK_STUDY = {
+    "n_controls": 50,
+    "n_permutations": 20,
+    "n_sequences": 8,
+    "batch_size": 4,
+    "reservoir": 256,
+}
+"""`--quick` study: `StudyConfig` fields set before the options given."""

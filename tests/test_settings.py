@@ -1,0 +1,282 @@
+"""One default per setting: every option of every command, left out, gives the API's own
+default (read from the signatures and config dataclasses), and its help shows that value.
+
+Each command runs in-process with its workflow replaced by a stub that records what the
+command line passed and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tangentlens.train as train_module
+from tangentlens import cli, settings, workflows
+from tangentlens.probes.session import ProbeSession
+from tangentlens.study import StudyConfig
+from tangentlens.train import TrainConfig
+
+# the real functions (the tests replace them in their modules with stubs)
+PROBE_MODEL, RUN_STUDY, DEMO = workflows.probe_model, workflows.run_study, workflows.demo
+RENDER_REPORT, TRAIN = workflows.render_report, train_module.train
+
+
+class Called(Exception):
+    """Raised by a stub in place of a workflow; ``got`` is what the command passed."""
+
+    def __init__(self, **got: Any) -> None:
+        super().__init__("stub called")
+        self.got = got
+
+
+def _param(function: Callable[..., Any], name: str) -> Any:
+    default = inspect.signature(function).parameters[name].default
+    assert default is not inspect.Parameter.empty, f"{function.__name__}({name}) has no default"
+    return default
+
+
+def _field(cls: type, name: str) -> Any:
+    field = {f.name: f for f in dataclasses.fields(cls)}[name]
+    assert field.default is not dataclasses.MISSING, f"{cls.__name__}.{name} has no default"
+    return field.default
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+def _action(command: str, dest: str) -> argparse.Action:
+    return next(a for a in _subparser(command)._actions if a.dest == dest)
+
+
+def _help(command: str, dest: str) -> str:
+    """The option's help as ``--help`` prints it (``%(default)s`` filled in)."""
+    parser = _subparser(command)
+    return parser._get_formatter()._expand_help(_action(command, dest))
+
+
+def _shown(command: str, dest: str) -> str:
+    """The default the help names: ``X`` of ``(default: X)``, ``(default: X; ...)`` or
+    ``(default: X, or the trainer's ...)``."""
+    text = " ".join(_help(command, dest).split())
+    match = re.search(r"\(default: (.+?)(?:; .*|, or .*)?\)$", text)
+    assert match, f"{command} --{dest}: the help shows no default: {text!r}"
+    return match.group(1)
+
+
+def _expected_help(api: Any, record: settings.Setting) -> str:
+    """A value's help text; a default of None is named in words by its settings record."""
+    assert record.default == api
+    return record.default_text if api is None else settings.shown(api)
+
+
+def _run(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.setenv("TANGENTLENS_DEBUG", "1")  # the stub's exception reaches the test
+    with pytest.raises(Called) as called:
+        cli.main(argv)
+    return called.value.got
+
+
+def _options(command: str) -> set[str]:
+    return {a.dest for a in _subparser(command)._actions} - {"help"}
+
+
+# ----------------------------------------------------------------------------- probe
+# CLI dest -> the keyword of `workflows.probe_model` it sets (same names throughout)
+PROBE_OPTIONS = (
+    "backend",
+    "text",
+    "encoding",
+    "rank",
+    "layers",
+    "tokens",
+    "seq_len",
+    "batch_size",
+    "n_controls",
+    "world_size",
+)
+# further API functions that take the same setting and must default to the same value
+PROBE_ALSO = {
+    "n_controls": (workflows.probe_checkpoint, ProbeSession.__init__),
+    "batch_size": (workflows.probe_checkpoint,),
+    "world_size": (workflows.probe_checkpoint,),
+}
+
+
+@pytest.fixture
+def probe_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
+    def stub(name: str, out: Path, **options: Any) -> None:
+        raise Called(name=name, out=out, **options)
+
+    monkeypatch.setattr(workflows, "probe_model", stub)
+    return _run(["probe", "--model", "m", "--out", str(tmp_path / "o")], monkeypatch)
+
+
+def test_probe_lists_every_option() -> None:
+    assert _options("probe") == {*PROBE_OPTIONS, "model", "out", "quiet"}
+
+
+@pytest.mark.parametrize("dest", PROBE_OPTIONS)
+def test_probe_default_is_the_api_default(dest: str, probe_call: dict[str, Any]) -> None:
+    api = _param(PROBE_MODEL, dest)
+    assert probe_call[dest] == api
+    for function in PROBE_ALSO.get(dest, ()):
+        assert _param(function, dest) == api, function.__qualname__
+    assert _shown("probe", dest) == _expected_help(api, getattr(settings.PROBE, dest))
+
+
+def test_probe_n_controls_is_the_probes_default(probe_call: dict[str, Any]) -> None:
+    """`tangentlens probe`, `probe_model`, `probe_checkpoint` and `probes.run` (which
+    builds a `ProbeSession`) draw the same number of controls."""
+    assert probe_call["n_controls"] == _param(ProbeSession.__init__, "n_controls")
+    assert _shown("probe", "n_controls") == str(_param(ProbeSession.__init__, "n_controls"))
+
+
+def test_probe_quiet(probe_call: dict[str, Any]) -> None:
+    assert probe_call["progress"] == _param(PROBE_MODEL, "progress")
+
+
+# ----------------------------------------------------------------------------- train
+TRAIN_OPTIONS = ("corpus", "encoding", "max_steps", "seed")  # CLI dest = TrainConfig field
+
+
+def _train_call(argv: list[str], monkeypatch: pytest.MonkeyPatch, out: Path) -> dict[str, Any]:
+    def stub(config: TrainConfig, out_dir: Path, progress: bool = True) -> None:
+        raise Called(config=config, progress=progress)
+
+    monkeypatch.setattr(train_module, "train", stub)
+    return _run(["train", "--out", str(out), *argv], monkeypatch)
+
+
+def test_train_lists_every_option() -> None:
+    assert _options("train") == {*TRAIN_OPTIONS, "out", "quick", "quiet"}
+
+
+@pytest.mark.parametrize("dest", TRAIN_OPTIONS)
+def test_train_default_is_the_config_default(
+    dest: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    got = _train_call([], monkeypatch, tmp_path)
+    api = _field(TrainConfig, dest)
+    assert getattr(got["config"], dest) == api
+    assert _shown("train", dest) == _expected_help(api, getattr(settings.TRAIN, dest))
+
+
+def test_train_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    got = _train_call([], monkeypatch, tmp_path)
+    assert got["progress"] == _param(TRAIN, "progress")
+    assert _action("train", "quick").default == _param(workflows.train_config, "quick")
+
+
+def test_train_quick(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    got = _train_call(["--quick"], monkeypatch, tmp_path)
+    for name, value in settings.QUICK_TRAIN.items():
+        assert getattr(got["config"], name) == value
+    assert f"; {value} with --quick)" in " ".join(_help("train", "max_steps").split())
+
+
+# ----------------------------------------------------------------------------- study
+STUDY_OPTIONS = {  # CLI dest -> StudyConfig field
+    "backend": "backend",
+    "rank": "rank",
+    "n_controls": "n_controls",
+    "controls": "controls",
+    "window_fraction": "window_fraction",
+    "windows": "windows",
+    "early": "early",
+    "late": "late",
+    "sequences": "n_sequences",
+    "corpus": "corpus",
+    "encoding": "encoding",
+    "seed": "seed",
+}
+
+
+def _study_call(argv: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict:
+    def stub(config: StudyConfig, out: Path, **options: Any) -> None:
+        raise Called(config=config, **options)
+
+    monkeypatch.setattr(workflows, "run_study", stub)
+    series = tmp_path / "series"  # an existing folder; not a `tangentlens train` one
+    series.mkdir(exist_ok=True)
+    base = ["study", "--checkpoints", str(series), "--out", str(tmp_path / "o")]
+    return _run([*base, *argv], monkeypatch)
+
+
+def test_study_lists_every_option() -> None:
+    expected = {*STUDY_OPTIONS, "world_size", "checkpoints", "out", "quick", "quiet"}
+    assert _options("study") == expected
+
+
+@pytest.mark.parametrize("dest", STUDY_OPTIONS)
+def test_study_default_is_the_config_default(
+    dest: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    got = _study_call([], monkeypatch, tmp_path)
+    field = STUDY_OPTIONS[dest]
+    api = _field(StudyConfig, field)
+    assert getattr(got["config"], field) == api
+    assert _shown("study", dest) == _expected_help(api, getattr(settings.STUDY, field))
+
+
+def test_study_n_controls_is_the_probes_default() -> None:
+    assert _field(StudyConfig, "n_controls") == _param(ProbeSession.__init__, "n_controls")
+
+
+def test_study_world_size_and_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    got = _study_call([], monkeypatch, tmp_path)
+    api = _param(RUN_STUDY, "world_size")
+    assert got["world_size"] == api
+    assert _shown("study", "world_size") == str(api)
+    assert got["progress"] == _param(RUN_STUDY, "progress")
+    assert _action("study", "quick").default == _param(workflows.study_config, "quick")
+
+
+def test_study_quick(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    got = _study_call(["--quick"], monkeypatch, tmp_path)
+    for name, value in settings.QUICK_STUDY.items():
+        assert getattr(got["config"], name) == value
+    for dest, name in (("n_controls", "n_controls"), ("sequences", "n_sequences")):
+        text = " ".join(_help("study", dest).split())
+        assert f"; {settings.QUICK_STUDY[name]} with --quick)" in text
+
+
+# ----------------------------------------------------------------------------- demo, report
+def test_demo_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    def stub(out: Path, **options: Any) -> None:
+        raise Called(out=out, **options)
+
+    monkeypatch.setattr(workflows, "demo", stub)
+    got = _run(["demo"], monkeypatch)
+    assert _options("demo") == {"out", "quick", "quiet"}
+    out = _action("demo", "out").default  # the command line's own: demo() takes a folder
+    assert got["out"] == Path(out) and _shown("demo", "out") == out
+    assert got["quick"] == _param(DEMO, "quick")
+    assert got["progress"] == _param(DEMO, "progress")
+
+
+def test_report_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def stub(folder: str, target: str | None = None) -> None:
+        raise Called(folder=folder, target=target)
+
+    monkeypatch.setattr(workflows, "render_report", stub)
+    got = _run(["report", str(tmp_path)], monkeypatch)
+    assert _options("report") == {"dir", "out", "quiet"}
+    assert got["target"] == _param(RENDER_REPORT, "target") is None
+    assert _shown("report", "out") == "DIR/report.html"  # what render_report does with None
+
+
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tangentlens {cli.__version__}"
