@@ -15,7 +15,18 @@ from typing import Any
 
 from .validation import BACKENDS, CONTROLS
 
-__all__ = ["PROBE", "QUICK_STUDY", "QUICK_TRAIN", "STUDY", "TRAIN", "Setting", "shown"]
+__all__ = [
+    "HEAD_NULL",
+    "N_CONTROLS",
+    "PROBE",
+    "QUICK_STUDY",
+    "QUICK_TRAIN",
+    "STUDY",
+    "TRAIN",
+    "ZETA",
+    "Setting",
+    "shown",
+]
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,9 @@ RANK = Setting(16, "rank of Q_T")
 N_CONTROLS = Setting(1000, "random frames per test")
 SEED = Setting(0, "random seed")
 WORLD_SIZE = Setting(1, "data-parallel processes")
+# Options of the probes (their classes' keyword defaults) that the study shares.
+ZETA = Setting(0.1, "IsoScore* shrinkage toward the pooled reference (the paper's ζ)")
+HEAD_NULL = Setting(4, "random frames behind each head's null (0: none)")
 
 
 @dataclass(frozen=True)

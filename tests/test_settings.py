@@ -19,7 +19,7 @@ import pytest
 
 import tangentlens.train as train_module
 from tangentlens import cli, settings, workflows
-from tangentlens.probes.session import ProbeSession
+from tangentlens.probes import registry
 from tangentlens.study import StudyConfig
 from tangentlens.train import TrainConfig
 
@@ -106,7 +106,7 @@ PROBE_OPTIONS = (
 )
 # further API functions that take the same setting and must default to the same value
 PROBE_ALSO = {
-    "n_controls": (workflows.probe_checkpoint, ProbeSession.__init__),
+    "n_controls": (workflows.probe_checkpoint,),
     "batch_size": (workflows.probe_checkpoint,),
     "world_size": (workflows.probe_checkpoint,),
 }
@@ -137,8 +137,9 @@ def test_probe_default_is_the_api_default(dest: str, probe_call: dict[str, Any])
 def test_probe_n_controls_is_the_probes_default(probe_call: dict[str, Any]) -> None:
     """`tangentlens probe`, `probe_model`, `probe_checkpoint` and `probes.run` (which
     builds a `ProbeSession`) draw the same number of controls."""
-    assert probe_call["n_controls"] == _param(ProbeSession.__init__, "n_controls")
-    assert _shown("probe", "n_controls") == str(_param(ProbeSession.__init__, "n_controls"))
+    probes = registry.option_defaults()["n_controls"]
+    assert probe_call["n_controls"] == probes
+    assert _shown("probe", "n_controls") == str(probes)
 
 
 def test_probe_quiet(probe_call: dict[str, Any]) -> None:
@@ -229,7 +230,10 @@ def test_study_default_is_the_config_default(
 
 
 def test_study_n_controls_is_the_probes_default() -> None:
-    assert _field(StudyConfig, "n_controls") == _param(ProbeSession.__init__, "n_controls")
+    probes = registry.option_defaults()
+    assert _field(StudyConfig, "n_controls") == probes["n_controls"]
+    assert _field(StudyConfig, "zeta") == probes["zeta"]
+    assert _field(StudyConfig, "head_null") == probes["head_null"]
 
 
 def test_study_world_size_and_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from ..errors import CorruptFileError, UsageError
 from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
 from ..hooks.transformer_lens import norm_from_bridge, params_from_bridge
+from ..settings import HEAD_NULL
 from ..subspace import TangentBasis, normal_controls, shares
 from ..validation import check_int
 from .base import Observation, Probe, Sum, row
@@ -367,7 +368,7 @@ class AttentionProbe(Probe):
         self,
         layers: Mapping[Site, tuple[TangentBasis, AttentionParams]],
         *,
-        head_null: int = 4,
+        head_null: int = HEAD_NULL.default,
         seed: int = 0,
         writes: Mapping[int, tuple[Site, TangentBasis, Tensor]] | None = None,
     ) -> None:

@@ -47,6 +47,7 @@ import torch
 from ..compute import site_map
 from ..errors import UsageError
 from ..hooks.sites import RESIDUAL_KINDS, Site
+from ..settings import N_CONTROLS, ZETA
 from ..significance import energy_ratio, pooled_shape, reference_at, tangent_tests
 from ..stats import Moments, state_dtype
 from ..subspace import TangentBasis
@@ -68,8 +69,8 @@ class GradientProbe(Probe):
         self,
         bases: Mapping[Site, TangentBasis],
         *,
-        n_controls: int = 1000,
-        zeta: float = 0.1,
+        n_controls: int = N_CONTROLS.default,
+        zeta: float = ZETA.default,
         seed: int = 0,
         n_groups: int = 10,
         memory: str = "full",

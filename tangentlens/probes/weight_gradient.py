@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from ..errors import UsageError
 from ..hooks.base import Backend, Handle, ModuleHandle
 from ..hooks.sites import INPUT_KINDS, Site
+from ..settings import N_CONTROLS
 from ..significance import energy_ratio, matrix_tests
 from ..stats import Moments, gram_dtype, state_dtype, unit_scale
 from ..subspace import TangentBasis, tangent_share
@@ -63,7 +64,7 @@ class WeightGradientProbe(Probe):
         bases: Mapping[Site, TangentBasis],
         backend: Backend,
         *,
-        n_controls: int = 1000,
+        n_controls: int = N_CONTROLS.default,
         seed: int = 0,
         n_groups: int = 1,
         memory: str = "full",

@@ -16,7 +16,7 @@ from ..errors import UsageError
 from ..files import dataclass_from_dict
 from ..hooks.sites import RESIDUAL_KINDS
 from ..models import is_hub_id
-from ..settings import STUDY
+from ..settings import HEAD_NULL, STUDY, ZETA
 from ..validation import BACKENDS, CONTROLS, check_encoding, check_rank, is_int
 
 __all__ = ["StudyConfig", "open_series", "threads"]
@@ -36,7 +36,7 @@ class StudyConfig:
     writes: bool = True  # attn_out / mlp_out activation Moments for the write ratios
     weight_gradient: bool = True  # Σ G Gᵀ of the maps reading attn_in / mlp_in (the paper's)
     head_sequences: int = 8  # probe sequences behind the per-head shares (0: no heads)
-    head_null: int = 4  # random normal frames behind each head share's null (0: no null)
+    head_null: int = HEAD_NULL.default  # normal frames behind each head share's null (0: none)
     rank: int | tuple[int, ...] = STUDY.rank.default
     window_fraction: float = STUDY.window_fraction.default
     windows: str = STUDY.windows.default  # "step": of training steps; "index": of checkpoints
@@ -44,7 +44,7 @@ class StudyConfig:
     late: tuple[int, int] | None = STUDY.late.default
     n_controls: int = STUDY.n_controls.default
     controls: str = STUDY.controls.default  # the controls behind the summary's p-value
-    zeta: float = 0.1
+    zeta: float = ZETA.default
     seed: int = STUDY.seed.default
     n_sequences: int = STUDY.n_sequences.default  # 16,384 tokens at seq_len 64: stable bases
     seq_len: int = 64
