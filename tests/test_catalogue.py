@@ -45,7 +45,8 @@ def test_delta_iso_entries_name_zeta_and_the_reference() -> None:
     for name in ("delta_iso_tangent", "delta_iso_normal", "iso_statistic", "isotropy_p_value"):
         stat = catalogue.get(name)
         assert "ζ" in stat.paper_option and "reference" in stat.paper_option
-        assert "ζ = 0" in stat.definition  # a probe session: no shrinkage
+        # one definition: the study's pooled reference, a pool of one in a probe session
+        assert "pooled_shape" in stat.definition and "same number" in stat.definition
 
 
 def test_the_catalogue_imports_no_torch() -> None:

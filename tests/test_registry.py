@@ -9,6 +9,7 @@ import pytest
 import torch
 from models import tl_bridge, tokens
 
+from tangentlens import catalogue, results
 from tangentlens.errors import UsageError
 from tangentlens.hooks.sites import RESIDUAL_KINDS
 from tangentlens.probes import GradientProbe, ProbeSession, fit_bases, probe, registry, run
@@ -66,7 +67,9 @@ def setup():
     return model, batches, fit_bases(model, batches[:1], rank=4, progress=False)
 
 
-def test_a_registered_probe_runs_through_the_session_and_run(toy, setup) -> None:
+def test_a_registered_probe_runs_through_the_session_and_run(
+    toy, setup, tmp_path, monkeypatch
+) -> None:
     model, batches, bases = setup
     session = run(model, batches[1:], bases, ("residual", "toy_norm"), progress=False, scale=2.0)
     table = session.results(progress=False)
@@ -81,6 +84,17 @@ def test_a_registered_probe_runs_through_the_session_and_run(toy, setup) -> None
     want = 2.0 * torch.cat(expected).mean().item()
     got = mine.loc[mine["hook"] == hook, "value"].item()
     assert got == pytest.approx(want, rel=1e-9)
+    # the results writer takes its statistic once the catalogue has it
+    with pytest.raises(UsageError, match="toy_mean_sq_norm"):
+        results.write(table, tmp_path / "refused")
+    assert not (tmp_path / "refused" / "results.csv").exists()
+    monkeypatch.setattr(catalogue, "STATISTICS", dict(catalogue.STATISTICS))
+    catalogue.register(
+        catalogue.Statistic(
+            "toy_mean_sq_norm", "toy_norm", "scale · E‖x‖²", "site", "a norm, scaled"
+        )
+    )
+    assert results.read(results.write(table, tmp_path / "written")[0]).equals(table)
     # its state merges and round-trips like every probe's
     probe_ = session.probes["toy_norm"]
     clone = NormProbe(probe_.sites, scale=2.0).load_state_dict(probe_.state_dict())
