@@ -276,56 +276,20 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument(
         "--encoding", metavar="NAME", default=PROBE.encoding.default, help=_help(PROBE.encoding)
     )
-    probe.add_argument(
-        "--rank",
-        metavar="K",
-        type=_positive_int,
-        default=PROBE.rank.default,
-        help=_help(PROBE.rank),
-    )
-    probe.add_argument(
-        "--layers",
-        metavar="L",
-        type=_layer,
-        nargs="+",
-        default=PROBE.layers.default,
-        help=_help(PROBE.layers),
-    )
-    probe.add_argument(
-        "--tokens",
-        metavar="N",
-        type=_positive_int,
-        default=PROBE.tokens.default,
-        help=_help(PROBE.tokens),
-    )
-    probe.add_argument(
-        "--seq-len",
-        metavar="N",
-        type=_seq_len,
-        default=PROBE.seq_len.default,
-        help=_help(PROBE.seq_len),
-    )
-    probe.add_argument(
-        "--batch-size",
-        metavar="N",
-        type=_positive_int,
-        default=PROBE.batch_size.default,
-        help=_help(PROBE.batch_size),
-    )
-    probe.add_argument(
-        "--n-controls",
-        metavar="N",
-        type=_positive_int,
-        default=PROBE.n_controls.default,
-        help=_help(PROBE.n_controls),
-    )
-    probe.add_argument(
-        "--world-size",
-        metavar="N",
-        type=_positive_int,
-        default=PROBE.world_size.default,
-        help=_help(PROBE.world_size),
-    )
+    # each option's argparse default is its setting's (the API's) default
+    for flag, metavar, kind, extra in (
+        ("--rank", "K", _positive_int, {}),
+        ("--layers", "L", _layer, {"nargs": "+"}),
+        ("--tokens", "N", _positive_int, {}),
+        ("--seq-len", "N", _seq_len, {}),
+        ("--batch-size", "N", _positive_int, {}),
+        ("--n-controls", "N", _positive_int, {}),
+        ("--world-size", "N", _positive_int, {}),
+    ):
+        setting = getattr(PROBE, flag[2:].replace("-", "_"))
+        probe.add_argument(
+            flag, metavar=metavar, type=kind, default=setting.default, help=_help(setting), **extra
+        )
     probe.add_argument("--out", metavar="DIR", required=True, help="output folder")
     probe.set_defaults(func=cmd_probe)
 
