@@ -169,14 +169,15 @@ def test_padding_is_masked_out_of_every_statistic(fitted: dict) -> None:
     plain = run(model, unpadded, bases, probes, **OPTS).results()
     # z-scores over a few null frames divide float32 null terms by a spread near 1e-6 of
     # them, and means over the controls come from float32 traces: those are compared as
-    # the nnsight/TransformerLens agreement test compares them (1e-3 relative, 1e-8 absolute)
+    # the nnsight/TransformerLens agreement test compares them (z: 1e-3 relative; control
+    # means: 1e-8 absolute, or float32's relative precision summed over the traces)
     stat = padded["statistic"]
     z = stat.str.endswith("_z").to_numpy()
     mc = stat.isin(["iso_statistic", "delta_iso_normal"]).to_numpy()
     exact = ~(z | mc)
     np.testing.assert_allclose(plain["value"][exact], padded["value"][exact], rtol=2e-5, atol=1e-9)
     np.testing.assert_allclose(plain["value"][z], padded["value"][z], rtol=1e-3)
-    np.testing.assert_allclose(plain["value"][mc], padded["value"][mc], atol=1e-8)
+    np.testing.assert_allclose(plain["value"][mc], padded["value"][mc], rtol=1e-5, atol=1e-8)
 
 
 def test_reservoir_is_uniform_bounded_and_split_invariant() -> None:
