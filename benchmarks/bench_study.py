@@ -59,7 +59,7 @@ def main() -> None:
             loss(loaded.backend_model, batch).backward()
 
     def study() -> None:
-        collect._collect_one(cfg, series, index, tokens, 0, 1)
+        collect.collect_part(cfg, collect.load_checkpoint(cfg, series, index), tokens, 0, 1)
 
     ratios, times = [], {"bare": [], "study": []}
     with threads(cfg.num_threads):

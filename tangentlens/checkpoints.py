@@ -150,16 +150,19 @@ def _hf_loader(checkpoint: Checkpoint) -> tuple[Any, Any]:
             f"the weights of {checkpoint.source} are damaged ({err}); restore that checkpoint."
         ) from err
     model.eval()
-    tokenizer = None
-    if checkpoint.is_local:
-        folder = Path(checkpoint.source)
-        for candidate in (folder, folder.parent):
-            if any((candidate / f).is_file() for f in TOKENIZER_FILES):
-                tokenizer = AutoTokenizer.from_pretrained(candidate)
-                break
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint.source, revision=checkpoint.revision)
-    return model, tokenizer
+    return model, _hf_tokenizer(checkpoint)
+
+
+def _hf_tokenizer(checkpoint: Checkpoint) -> Any:
+    """The tokenizer saved with a local checkpoint (its folder, else the parent) or a hub
+    revision's; None when a local checkpoint has none."""
+    if not checkpoint.is_local:
+        return AutoTokenizer.from_pretrained(checkpoint.source, revision=checkpoint.revision)
+    folder = Path(checkpoint.source)
+    for candidate in (folder, folder.parent):
+        if any((candidate / f).is_file() for f in TOKENIZER_FILES):
+            return AutoTokenizer.from_pretrained(candidate)
+    return None
 
 
 def _list_hub_branches(repo_id: str) -> list[str]:
@@ -380,13 +383,7 @@ class CheckpointSeries:
         """
         ckpt = self.checkpoints[i]
         model, tokenizer = self._loader(ckpt)
-        if self._tokenizer is not None:
-            tokenizer = self._resolve_tokenizer()
-        if tokenizer is None:
-            raise MissingFileError(
-                f"no tokenizer for {ckpt.source}: save one in the checkpoint folder or its "
-                "parent, or pass tokenizer= to the series."
-            )
+        tokenizer = self._check_tokenizer(ckpt, tokenizer)
         state = model.state_dict()
         self._check_shapes(ckpt.step, {k: tuple(v.shape) for k, v in state.items()}, "model")
         digest = tensor_hash(state)
@@ -398,6 +395,17 @@ class CheckpointSeries:
                 model, tokenizer, backend, source=str(ckpt.source), revision=ckpt.revision
             )
         return loaded
+
+    def load_tokenizer(self, i: int) -> Any:
+        """Checkpoint ``i``'s tokenizer without its weights (what a probe set is cut with).
+
+        An injected ``loader`` yields model and tokenizer together, so with one (and no
+        ``tokenizer`` override) the checkpoint is loaded and its weights dropped."""
+        ckpt = self.checkpoints[i]
+        if self._tokenizer is not None:
+            return self._resolve_tokenizer()
+        found = _hf_tokenizer(ckpt) if self._loader is _hf_loader else self._loader(ckpt)[1]
+        return self._check_tokenizer(ckpt, found)
 
     def hash_all(self, progress: bool = True) -> dict[int, str]:
         """Load and hash every checkpoint (one at a time); returns ``{step: hash}``."""
@@ -420,6 +428,16 @@ class CheckpointSeries:
         return {s: d for s, d in out.items() if d is not None}
 
     # ---------------------------------------------------------------- internals
+    def _check_tokenizer(self, ckpt: Checkpoint, found: Any) -> Any:
+        """The series' override, else ``found``; a `MissingFileError` when neither exists."""
+        tokenizer = self._resolve_tokenizer() if self._tokenizer is not None else found
+        if tokenizer is None:
+            raise MissingFileError(
+                f"no tokenizer for {ckpt.source}: save one in the checkpoint folder or its "
+                "parent, or pass tokenizer= to the series."
+            )
+        return tokenizer
+
     def _resolve_tokenizer(self) -> Any:
         if isinstance(self._tokenizer, str | Path):
             self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer)

@@ -346,10 +346,12 @@ def run_study(
     world_size: int = STUDY.world_size.default,
     progress: bool = True,
 ) -> pd.DataFrame:
-    """Run (or resume) the study into ``out`` and write its report, holding the folder."""
+    """Run (or resume) the study into ``out`` and write its report from the table and
+    manifest it wrote (not read back), holding the folder."""
     with lock_folder(out, "study"):
-        table = Study(config).run(out, world_size=world_size, progress=progress)
-        write_report(out, Path(out) / "report.html")
+        study = Study(config)
+        table = study.run(out, world_size=world_size, progress=progress)
+        write_report(table, Path(out) / "report.html", manifest=study.manifest)
     return table
 
 
@@ -411,8 +413,10 @@ def demo(
             train(config, folder / CHECKPOINTS_DIR, progress=progress)
             log(f"{step} {kind}: the study over its checkpoints (heads included)")
             cfg = study_config(str(folder / CHECKPOINTS_DIR), quick=quick)
-            tables[kind] = Study(cfg).run(folder, progress=progress)
-            write_report(folder, folder / "report.html", title=f"tangentlens demo: {kind}")
+            study = Study(cfg)
+            tables[kind] = study.run(folder, progress=progress)
+            title = f"tangentlens demo: {kind}"
+            write_report(tables[kind], folder / "report.html", manifest=study.manifest, title=title)
         log(f"[{len(MODEL_KINDS) + 1}/{len(MODEL_KINDS) + 1}] verdicts and the report")
         claims = [c for kind in MODEL_KINDS for c in verdicts(tables[kind], model=kind)]
         claims += compare_models(*(verdicts(tables[k], model=k) for k in MODEL_KINDS))

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,13 +17,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tangentlens import models, results
-from tangentlens.files import load_tensors
+from tangentlens import checkpoints, models, results
+from tangentlens.errors import CorruptFileError
+from tangentlens.files import load_tensors, save_tensors
 from tangentlens.hooks.sites import Site
 from tangentlens.probes import run
 from tangentlens.probes.bases import BasisSet
-from tangentlens.study import Study, StudyConfig
-from tangentlens.study.collect import load_part
+from tangentlens.study import Study, StudyConfig, collect
+from tangentlens.study.collect import PART_KEY, load_part
+from tangentlens.study.config import open_series
 from tangentlens.train import TrainConfig, train
 
 D_MODEL, N_LAYERS = 32, 2  # TrainConfig.tiny()
@@ -305,6 +308,94 @@ def test_probe_loss_matches_the_trainers_eval_loss(study):
     )
     assert (losses["probe_loss"].diff().dropna().iloc[:4] < 0).all()
     assert np.allclose(losses["probe_loss"], losses["eval_loss"], rtol=0.1)
+
+
+def test_the_written_table_is_the_returned_table(study):
+    _, out, frame = study
+    pd.testing.assert_frame_equal(results.read(out), frame, check_exact=True)
+
+
+# ----------------------------------------------------------------------- loads
+def _count_loads(monkeypatch) -> dict[str, list[int]]:
+    """Steps loaded by the series, steps whose weights the loader read, hashes taken."""
+    seen: dict[str, list[int]] = {"load": [], "weights": [], "hash": []}
+    load, loader, digest = (
+        checkpoints.CheckpointSeries.load,
+        checkpoints._hf_loader,
+        checkpoints.tensor_hash,
+    )
+
+    def counted_load(self, i, **kwargs):
+        seen["load"].append(self[i].step)
+        return load(self, i, **kwargs)
+
+    def counted_loader(ckpt):
+        seen["weights"].append(ckpt.step)
+        return loader(ckpt)
+
+    def counted_hash(state):
+        seen["hash"].append(1)
+        return digest(state)
+
+    monkeypatch.setattr(checkpoints.CheckpointSeries, "load", counted_load)
+    monkeypatch.setattr(checkpoints, "_hf_loader", counted_loader)
+    monkeypatch.setattr(checkpoints, "tensor_hash", counted_hash)
+    return seen
+
+
+def test_each_checkpoint_is_loaded_once_where_it_can_be(series_dir, tmp_path, monkeypatch):
+    """One load (and one hash) of a checkpoint serves its collection and its heads; only
+    the early window's checkpoints collected before the last early one are loaded again
+    (their heads need Q_T, fitted from every early part). The probe set takes the
+    tokenizer alone. A resumed run loads each checkpoint once, for its heads."""
+    cfg = _config(series_dir)
+    series = open_series(cfg.checkpoints)
+    early = [series.steps[i] for i in series.windows(cfg.window_fraction, by=cfg.windows)["early"]]
+    seen = _count_loads(monkeypatch)
+    out = tmp_path / "out"
+    frame = Study(cfg).run(out)
+    once = Counter(series.steps)
+    assert Counter(seen["load"]) == once + Counter(early[:-1])
+    assert Counter(seen["weights"]) == Counter(seen["load"])  # no load for the tokenizer
+    assert len(seen["hash"]) == len(seen["load"])
+    assert set(frame.loc[frame["probe"] == "attention", "step"]) == set(series.steps)
+    for found in seen.values():
+        found.clear()
+    assert Study(cfg).run(out).equals(frame)
+    assert Counter(seen["load"]) == once and len(seen["hash"]) == len(series)
+
+
+def test_without_heads_each_checkpoint_is_loaded_once(series_dir, tmp_path, monkeypatch):
+    cfg = _config(series_dir, head_sequences=0)
+    seen = _count_loads(monkeypatch)
+    out = tmp_path / "out"
+    Study(cfg).run(out)
+    assert Counter(seen["load"]) == Counter(open_series(cfg.checkpoints).steps)
+    seen["load"].clear()
+    Study(cfg).run(out)
+    assert seen["load"] == []
+
+
+def test_a_part_in_another_format_is_recomputed(study, tmp_path, monkeypatch):
+    """A part's tensor names are part of its digest: one written under another naming
+    scheme is made again, never misread (and read directly, it is refused)."""
+    cfg, out, frame = study
+    copied = tmp_path / "out"
+    shutil.copytree(out, copied)
+    path = copied / "parts" / "step8.safetensors"
+    tensors, header = load_tensors(path)
+    tokens = load_tensors(copied / "probe_set.safetensors")[0]["tokens"]
+    meta = json.loads(header[PART_KEY])
+    with monkeypatch.context() as m:
+        m.setattr(collect, "_PART_FORMAT", collect._PART_FORMAT - 1)
+        meta["collect"] = collect._part_digest(cfg, tokens)
+    renamed = {(f"wg/{k}" if k.startswith("wgrad/") else k): t for k, t in tensors.items()}
+    save_tensors(path, renamed, {PART_KEY: json.dumps(meta)})
+    with pytest.raises(CorruptFileError, match="unknown tensor"):
+        load_part(path)
+    again = Study(cfg).run(copied)
+    pd.testing.assert_frame_equal(again, frame, check_exact=True)
+    assert json.loads((copied / "manifest.json").read_text())["timings"]["resumed_checkpoints"] == 7
 
 
 # ----------------------------------------------------------------------- resume

@@ -288,6 +288,22 @@ def test_merge_of_two_half_runs_equals_one_run() -> None:
     assert rows == loaded_rows and len(rows) == 4 * 7
 
 
+def test_sites_without_bases_collect_the_same_state_and_have_no_rows() -> None:
+    """S is basis-free: a probe given only the sites (a study fits Q_T afterwards) keeps
+    exactly the state of one given bases, and has nothing to test it against."""
+    arch = "gpt2"
+    model, batches = tl_bridge(arch), _batches(arch)
+    bases = _input_bases(model, batches)
+    based = run(model, batches, bases, PROBE, **OPTS).probes["weight_gradient"]
+    free = WeightGradientProbe(list(bases.by_site()), get_backend(model), n_groups=based.n_groups)
+    run(model, batches, None, [free], progress=False)
+    assert free.bases == {} and free.rows() == []
+    ours, theirs = free.state_dict(), based.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key
+
+
 # ------------------------------------------------------------------ sites and errors
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "neox", "bert", "native"])
 def test_input_linears_read_the_site(arch: str) -> None:

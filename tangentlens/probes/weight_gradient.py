@@ -32,7 +32,7 @@ backward per forward pass.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,13 +55,18 @@ __all__ = ["WeightGradientProbe", "input_gradient", "matrix_intervals"]
 
 class WeightGradientProbe(Probe):
     """Σ G Gᵀ of the weight gradients that read each ``attn_in`` / ``mlp_in`` site, and its
-    energy test against the site's basis."""
+    energy test against the site's basis.
+
+    ``bases`` maps each site to its Q_T; or it is just the sites (a list): S is
+    basis-free, so a caller that fits Q_T only afterwards (a study) collects S and its
+    state without inventing a basis, and such a probe has no rows (nothing to test S
+    against)."""
 
     name = "weight_gradient"
 
     def __init__(
         self,
-        bases: Mapping[Site, TangentBasis],
+        bases: Mapping[Site, TangentBasis] | Sequence[Site],
         backend: Backend,
         *,
         n_controls: int = N_CONTROLS.default,
@@ -78,20 +83,22 @@ class WeightGradientProbe(Probe):
                     f"got {site}."
                 )
             backend.input_linears(site)  # fails now, not at the first pass
-        self.bases = dict(bases)
+        self.sites = list(bases)
+        self.bases: dict[Site, TangentBasis] = dict(bases) if isinstance(bases, Mapping) else {}
         self.n_controls = check_int(n_controls, "n_controls", minimum=1)
         self.seed = check_int(seed, "seed", minimum=0)
         self.n_groups = check_int(n_groups, "n_groups", minimum=1)
         self._masks: dict[Site, tuple[Tensor | None, int]] = {}
-        for site, basis in self.bases.items():
+        for site in self.sites:
+            d = self.bases[site].d if site in self.bases else backend.d_model
             self.add_state(f"act/{site.hook_name}", lambda: Moments(dtype=dtype))
             for g in range(self.n_groups):
-                self.add_state(f"wgrad/{g}/{site.hook_name}", lambda d=basis.d: Sum((d, d), dtype))
+                self.add_state(f"wgrad/{g}/{site.hook_name}", lambda d=d: Sum((d, d), dtype))
             self.add_state(f"passes/{site.hook_name}", Sum)
 
     @property
     def forward_sites(self) -> list[Site]:
-        return list(self.bases)
+        return list(self.sites)
 
     @property
     def reads_backward(self) -> bool:
@@ -101,7 +108,7 @@ class WeightGradientProbe(Probe):
         """A forward hook on every linear map that reads a site (it hooks the outputs)."""
         handles: list[Handle] = []
         try:
-            for site in self.bases:
+            for site in self.sites:
                 for i, (_, module) in enumerate(backend.input_linears(site)):
                     handles.append(self._hook(site, module, counts_pass=i == 0))
         except BaseException:
@@ -153,7 +160,7 @@ class WeightGradientProbe(Probe):
                 self.state(f"passes/{site.hook_name}").add(torch.ones((), device=g.device))
 
     def saw_backward(self) -> bool:
-        return any(float(self.state(f"passes/{s.hook_name}").value) > 0 for s in self.bases)
+        return any(float(self.state(f"passes/{s.hook_name}").value) > 0 for s in self.sites)
 
     def update(self, obs: Observation) -> None:
         self._masks[obs.site] = (obs.mask, obs.group)  # the maps that read the site run next
@@ -168,11 +175,12 @@ class WeightGradientProbe(Probe):
 
     def matrices(self) -> dict[Site, Tensor]:
         """Site → S = Σ G Gᵀ (d × d, float64), summed over passes, maps and groups."""
-        return {s: sum(self.group_matrices(s)) for s in self.bases}
+        return {s: sum(self.group_matrices(s)) for s in self.sites}
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
-        for site, s in sites_bar(self.matrices().items(), self):
+        tested = {site: s for site, s in self.matrices().items() if site in self.bases}
+        for site, s in sites_bar(tested.items(), self):
             passes = float(self.state(f"passes/{site.hook_name}").value)
             if passes == 0:
                 continue

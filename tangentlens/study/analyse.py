@@ -48,7 +48,7 @@ from .collect import Part
 from .config import StudyConfig
 from .windows import WindowSummary
 
-__all__ = ["analyse"]
+__all__ = ["analyse", "fit_bases"]
 
 _Z95 = 1.959963984540054
 
@@ -118,6 +118,32 @@ class _Rows:
         return results.frame(self.rows, results.COLUMNS)
 
 
+def _sites(part: Part) -> tuple[list[Site], list[Site], list[Site]]:
+    """A part's residual sites (gradients too), block writes and linear-map inputs."""
+    sites = sorted(part.grads, key=lambda s: (s.layer, RESIDUAL_KINDS.index(s.kind)))
+    writes = sorted((s for s in part.acts if s.kind in WRITE_KINDS), key=lambda s: s.hook_name)
+    inputs = sorted(part.wgrad_groups, key=lambda s: (s.layer, INPUT_KINDS.index(s.kind)))
+    return sites, writes, inputs
+
+
+def fit_bases(
+    cfg: StudyConfig,
+    series: Any,
+    windows: dict[str, list[int]],
+    parts: dict[int, Part],
+    out: Path,
+) -> dict[int, dict[Site, TangentBasis]]:
+    """Rank → site → Q_T at the residual sites and linear-map inputs, from the pooled
+    early-window activations (``parts`` needs only the early window's: so the bases exist,
+    and the heads can be measured, before the later checkpoints are collected); saved as
+    ``bases/rank{k}.safetensors``."""
+    early = [series.steps[i] for i in windows["early"]]
+    first = parts[early[0]]
+    cfg.check_ranks(first.meta["d_model"])
+    sites, _, inputs = _sites(first)
+    return _fit_bases(cfg, series, early, parts, sites + inputs, out)
+
+
 def _fit_bases(
     cfg: StudyConfig,
     series: Any,
@@ -125,7 +151,7 @@ def _fit_bases(
     parts: dict[int, Part],
     sites: list[Site],
     out: Path,
-) -> dict[int, dict[Site, Any]]:
+) -> dict[int, dict[Site, TangentBasis]]:
     """Rank → site → Q_T from the pooled early-window activations; saved as `BasisSet`s."""
     pooled = {s: _merge([parts[t].acts[s] for t in early]) for s in sites}
     provenance = {
@@ -311,17 +337,17 @@ def analyse(
     windows: dict[str, list[int]],
     parts: dict[int, Part],
     counts: Tensor,
-    out: Path,
+    bases: dict[int, dict[Site, TangentBasis]],
     progress: bool,
 ) -> tuple[Any, dict[str, Any]]:
-    """The results table from the parts (deterministic), and the manifest's facts."""
+    """The results table from the parts and the bases `fit_bases` made of them
+    (deterministic), and the manifest's facts."""
     start = time.perf_counter()
     steps = series.steps
     window = {s: "middle" for s in steps}
     for name in ("early", "late"):
         for i in windows[name]:
             window[steps[i]] = name
-    early = [steps[i] for i in windows["early"]]
     hashes = {s: parts[s].meta["weights_hash"] for s in steps}
     first_with = {}
     for s in steps:
@@ -330,11 +356,8 @@ def analyse(
     first = parts[steps[0]]
     n_layers, d = first.meta["n_layers"], first.meta["d_model"]
     cfg.check_ranks(d)
-    sites = sorted(first.grads, key=lambda s: (s.layer, RESIDUAL_KINDS.index(s.kind)))
-    writes = sorted((s for s in first.acts if s.kind in WRITE_KINDS), key=lambda s: s.hook_name)
-    inputs = sorted(first.wgrad_groups, key=lambda s: (s.layer, INPUT_KINDS.index(s.kind)))
+    sites, writes, inputs = _sites(first)
     shapes = {s: pooled_shape([parts[t].grads[s] for t in steps]) for s in sites}
-    bases = _fit_bases(cfg, series, early, parts, sites + inputs, out)
     embed_site = Site(0, "resid_pre")
     embed_bases = {k: b[embed_site] for k, b in bases.items()} if embed_site in sites else None
 

@@ -3,7 +3,12 @@ backward over it that leaves only sufficient statistics (a *part* file).
 
 The pass depends on no basis, so a killed study resumes at the first missing part and
 finished checkpoints are never redone; with ``world_size=N`` each process takes a
-contiguous share of the probe batches and the statistics are all-reduced.
+contiguous share of the probe batches and the statistics are all-reduced. It takes a
+loaded checkpoint (`collect_part`), so the caller can use the same load for the heads.
+
+A part's tensors are named ``{kind}/{group}/{hook}/{field}`` (``act``, ``grad``,
+``wgrad``; group ``all`` for the block writes), ``sample/{hook}``, ``sample_sequence``
+and ``embed``: hook names hold no ``/``, so a name splits into exactly its fields.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ from ..probes.base import Observation, Probe
 from ..probes.driver import lm_loss, masked_positions, mlm_loss, run
 from ..probes.weight_gradient import WeightGradientProbe
 from ..stats import Moments
-from ..subspace import TangentBasis
 from .config import StudyConfig, open_series, threads
 
 __all__ = [
@@ -42,15 +46,21 @@ __all__ = [
     "PROBE_FILE",
     "Part",
     "collect",
+    "collect_part",
+    "load_checkpoint",
     "load_part",
     "load_probe_set",
     "part_path",
     "probe_set",
+    "save_part",
     "stale_parts",
 ]
 
 PROBE_FILE = "probe_set.safetensors"
 PART_KEY = "tangentlens_study_part"
+# how a part's tensors are named (module docstring); in the digest, so a part written
+# under another scheme is recomputed, never misread
+_PART_FORMAT = 2
 # the settings a probe set, and a part beyond its probe set, are functions of
 _PROBE_SET_KEYS = ("checkpoints", "corpus", "encoding", "max_chars", "seq_len", "probe_fraction")
 _PART_KEYS = ("backend", "sites", "writes", "n_groups", "batch_size", "reservoir", "seed")
@@ -63,7 +73,8 @@ def _probe_set_digest(cfg: StudyConfig) -> str:
 
 def _part_digest(cfg: StudyConfig, tokens: Tensor) -> str:
     settings = {k: getattr(cfg, k) for k in _PART_KEYS}
-    return config_digest({**settings, "tokens": tensor_hash({"tokens": tokens})})
+    tokens_hash = tensor_hash({"tokens": tokens})
+    return config_digest({**settings, "tokens": tokens_hash, "format": _PART_FORMAT})
 
 
 def probe_set(cfg: StudyConfig, series: Any, out: Path) -> tuple[Tensor, Tensor]:
@@ -75,7 +86,7 @@ def probe_set(cfg: StudyConfig, series: Any, out: Path) -> tuple[Tensor, Tensor]
         if found is not None:
             return found
         path.unlink()
-    tokenizer = series.load(0).tokenizer
+    tokenizer = series.load_tokenizer(0)  # its weights are not needed to cut the blocks
     ids = corpus.encode(tokenizer, corpus.load_lines(cfg.corpus, cfg.max_chars, cfg.encoding))
     data = corpus.token_batches(
         tokenizer,
@@ -251,14 +262,19 @@ class _GroupMoments(Probe):
         return []
 
 
-def _collect_one(
-    cfg: StudyConfig, series: Any, i: int, tokens: Tensor, rank: int, world_size: int
-) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
-    """One checkpoint's pass over this rank's share of the probe set, reduced over ranks.
-    Returns the part (tensors, metadata) on rank 0, None elsewhere."""
-    start = time.perf_counter()
+def load_checkpoint(cfg: StudyConfig, series: Any, i: int) -> Any:
+    """Checkpoint ``i`` loaded (and hashed) for the study's backend."""
     with quiet_transformers():
-        loaded = series.load(i, backend=cfg.backend)
+        return series.load(i, backend=cfg.backend)
+
+
+def collect_part(
+    cfg: StudyConfig, loaded: Any, tokens: Tensor, rank: int, world_size: int
+) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
+    """One loaded checkpoint's pass over this rank's share of the probe set, reduced over
+    ranks. Returns the part (tensors, metadata) on rank 0, None elsewhere."""
+    start = time.perf_counter()
+    ckpt = loaded.checkpoint
     model = loaded.backend_model
     backend = get_backend(model)
     d, n_layers = backend.d_model, backend.n_layers
@@ -272,7 +288,7 @@ def _collect_one(
     if int(tokens.max()) >= n_vocab:
         raise UsageError(
             f"the probe set holds token id {int(tokens.max())}, outside the {n_vocab}-token "
-            f"vocabulary of {series[i].source}: the tokenizer does not fit the model; save "
+            f"vocabulary of {ckpt.source}: the tokenizer does not fit the model; save "
             "the model's own tokenizer with the checkpoints."
         )
     available = set(backend.sites())
@@ -296,10 +312,8 @@ def _collect_one(
     ]
     moments = _GroupMoments(sites, writes, inputs, cfg.n_groups)
     probes: list[Probe] = [moments]
-    if inputs:  # S = Σ G Gᵀ per group is basis-free: a placeholder basis plans the probe
-        placeholder = TangentBasis(torch.eye(d, dtype=torch.float64)[:, :1])
-        frames = {s: placeholder for s in inputs}
-        probes.append(WeightGradientProbe(frames, backend, n_controls=1, n_groups=cfg.n_groups))
+    if inputs:  # S = Σ G Gᵀ per group is basis-free: Q_T is fitted from the parts later
+        probes.append(WeightGradientProbe(inputs, backend, n_groups=cfg.n_groups))
 
     def feed() -> Iterator[Tensor]:
         for j, batch in mine:
@@ -340,12 +354,11 @@ def _collect_one(
     tensors = dict(session.probes[moments.name].state_dict())
     if inputs:
         weights = session.probes[WeightGradientProbe.name].state_dict()
-        tensors |= {f"wg/{k}": t for k, t in weights.items() if k.startswith("wgrad/")}
+        tensors |= {k: t for k, t in weights.items() if k.startswith("wgrad/")}
     for site, buffer in sample.buffers.items():
         tensors[f"sample/{site.hook_name}"] = buffer
     tensors["sample_sequence"] = sample.seq.clone()
     tensors["embed"] = loaded.model.get_input_embeddings().weight.detach().float()
-    ckpt = series[i]
     meta = {
         "step": ckpt.step,
         "collect": _part_digest(cfg, tokens),
@@ -373,14 +386,19 @@ def collect(
     world_size: int,
     progress: bool,
 ) -> None:
+    """The parts of ``todo`` (one load each), for the processes of a data-parallel run."""
     bar = tqdm(todo, desc="study: checkpoints", disable=not progress or rank != 0)
     for i in bar:
         bar.set_postfix(step=series[i].step)
-        part = _collect_one(cfg, series, i, tokens, rank, world_size)
+        part = collect_part(cfg, load_checkpoint(cfg, series, i), tokens, rank, world_size)
         if part is not None:
             check_parent()  # a worker whose parent is gone writes nothing
-            tensors, meta = part
-            save_tensors(part_path(out, series[i].step), tensors, {PART_KEY: json.dumps(meta)})
+            save_part(out, part)
+
+
+def save_part(out: Path, part: tuple[dict[str, Tensor], dict[str, Any]]) -> None:
+    tensors, meta = part
+    save_tensors(part_path(out, meta["step"]), tensors, {PART_KEY: json.dumps(meta)})
 
 
 def collect_worker(
@@ -439,16 +457,17 @@ def load_part(path: Path) -> Part:
         samples = {}
         wgrad: dict[tuple[int, Site], Tensor] = {}
         for name, t in tensors.items():
-            kind, _, rest = name.partition("/")
-            if kind == "wg":  # wg/wgrad/{g}/{hook}/sum
-                _, group, rest = rest.split("/", 2)
-                wgrad[int(group), Site.parse(rest.rpartition("/")[0])] = t.double()
-            elif kind in ("act", "grad"):
-                group, _, rest = rest.partition("/")
-                hook, _, key = rest.rpartition("/")
-                states.setdefault((kind, group, Site.parse(hook)), {})[key] = t
-            elif kind == "sample":
-                samples[Site.parse(rest)] = t
+            match name.split("/"):
+                case ["act" | "grad" as kind, group, hook, field]:
+                    states.setdefault((kind, group, Site.parse(hook)), {})[field] = t
+                case ["wgrad", group, hook, "sum"]:
+                    wgrad[int(group), Site.parse(hook)] = t.double()
+                case ["sample", hook]:
+                    samples[Site.parse(hook)] = t
+                case ["embed"] | ["sample_sequence"]:
+                    pass
+                case _:
+                    raise ValueError(f"an unknown tensor {name!r}")
         moments = {key: Moments().load_state_dict(st) for key, st in states.items()}
         n_groups = meta["n_groups"]
         embed = tensors["embed"]

@@ -4,11 +4,23 @@
 
 1. **Probe set** (`collect.probe_set`): fixed held-out token blocks of the corpus and
    the corpus token counts, ``probe_set.safetensors``.
-2. **Collection** (`collect.collect`): one forward and backward per checkpoint, reduced
-   to sufficient statistics, ``parts/step{N}.safetensors``; a killed study resumes.
-3. **Analysis** (`analyse.analyse`): from the parts alone, deterministic:
-   ``results.csv`` / ``results.json`` (schema: `tangentlens.results`), ``bases/`` and
-   ``manifest.json``.
+2. **Collection** (`collect.collect_part`): one forward and backward per checkpoint,
+   reduced to sufficient statistics, ``parts/step{N}.safetensors``; a killed study
+   resumes. The early window goes first: once its parts exist the bases are fitted
+   (`analyse.fit_bases`, ``bases/``), and every later checkpoint's heads pass
+   (`heads.HeadPass`) runs on the model its collection loaded.
+3. **Analysis** (`analyse.analyse`): from the parts and bases alone, deterministic:
+   ``results.csv`` / ``results.json`` (schema: `tangentlens.results`) and
+   ``manifest.json``; `Study.run` returns the table it wrote (and keeps the manifest in
+   `Study.manifest`), so nothing is read back.
+
+Loads: a checkpoint is loaded (and hashed) once per run, except the early window's
+checkpoints whose part is collected before the last early one's: the heads need Q_T,
+which needs every early part, so those are loaded again for their heads (holding their
+models until then would cost a model's memory each). A resumed run loads each
+checkpoint once, for its heads only; with the heads off, a resumed run loads none.
+With ``world_size > 1`` the worker processes collect and this process loads each
+checkpoint once more for the heads.
 
 Every file is written atomically, by one writer: the run holds the folder's lock
 (`tangentlens.files.lock_folder`) and refuses a folder that another command or another
@@ -25,25 +37,28 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from tqdm.auto import tqdm
 
 from .. import results
 from ..distributed import launch
 from ..errors import CorruptFileError, UsageError
 from ..files import FolderLock, lock_folder, remove_stale_temporaries, tensor_hash, write_json
 from ..validation import check_int
-from .analyse import analyse
+from .analyse import analyse, fit_bases
 from .collect import (
     PROBE_FILE,
     check_parts_match,
-    collect,
+    collect_part,
     collect_worker,
+    load_checkpoint,
     load_part,
     part_path,
     probe_set,
+    save_part,
     stale_parts,
 )
 from .config import StudyConfig, open_series, threads
-from .heads import head_rows
+from .heads import HeadPass
 
 __all__ = ["CONFIG_FILE", "OUTPUTS", "Study"]
 
@@ -70,6 +85,7 @@ class Study:
         if not isinstance(config, StudyConfig):
             raise TypeError(f"Study takes a StudyConfig; got {type(config).__name__}.")
         self.config = config
+        self.manifest: dict[str, Any] | None = None  # of the last run, as written
 
     def run(
         self, out_dir: str | Path, *, world_size: int = 1, progress: bool | None = None
@@ -109,18 +125,14 @@ class Study:
                         "processes; raise n_sequences or lower the batch size or world size."
                     )
                 launch(collect_worker, world_size, cfg.to_dict(), str(out), todo, progress)
-            elif todo:
-                collect(cfg, series, todo, out, tokens, 0, 1, progress)
+                todo = []
+            parts, bases, heads = self._collect(series, windows, out, tokens, todo, progress)
             collect_s = time.perf_counter() - start
-            parts = {c.step: load_part(part_path(out, c.step)) for c in series}
             check_parts_match(series, parts)
-            frame, info = analyse(cfg, series, windows, parts, counts, out, progress)
-            window = {step: "middle" for step in series.steps}
-            for name in ("early", "late"):
-                window |= {series.steps[i]: name for i in windows[name]}
-            heads = head_rows(cfg, series, window, out, tokens, progress)
-        if heads is not None:
-            frame = results.frame(pd.concat([frame, heads], ignore_index=True), results.COLUMNS)
+            frame, info = analyse(cfg, series, windows, parts, counts, bases, progress)
+        if heads:
+            frame = pd.concat([frame, *(heads[i] for i in sorted(heads))], ignore_index=True)
+            frame = results.frame(frame, results.COLUMNS)
         results.write(frame, out)
         manifest = {
             **info,
@@ -141,7 +153,56 @@ class Study:
             },
         }
         write_json(out / "manifest.json", manifest)
+        self.manifest = manifest
         return frame
+
+    def _collect(
+        self,
+        series: Any,
+        windows: dict[str, list[int]],
+        out: Path,
+        tokens: Any,
+        todo: list[int],
+        progress: bool,
+    ) -> tuple[dict[int, Any], dict[int, Any], dict[int, pd.DataFrame]]:
+        """The parts of ``todo`` (written), the bases, and each checkpoint's head rows:
+        the early window first, so that one load of a later checkpoint serves both its
+        collection and its heads (see the module docstring for the loads)."""
+        cfg = self.config
+        early = windows["early"]
+        label = {i: "middle" for i in range(len(series))}
+        for name in ("early", "late"):
+            label |= {i: name for i in windows[name]}
+        order = early + [i for i in range(len(series)) if i not in early]
+        parts: dict[int, Any] = {}
+        bases: dict[int, Any] = {}
+        heads: dict[int, pd.DataFrame] = {}
+        head_pass: HeadPass | None = None
+        waiting: list[int] = []  # early checkpoints whose heads wait for the bases
+        bar = tqdm(order, desc="study: checkpoints", disable=not progress)
+        for n, i in enumerate(bar):
+            step = series[i].step
+            bar.set_postfix(step=step)
+            loaded = None
+            if i in todo:
+                loaded = load_checkpoint(cfg, series, i)
+                save_part(out, collect_part(cfg, loaded, tokens, 0, 1))
+            parts[step] = load_part(part_path(out, step))
+            waiting.append(i)
+            if n == len(early) - 1:  # every early part exists: fit Q_T
+                bases = fit_bases(cfg, series, windows, parts, out)
+                head_pass = HeadPass(cfg, bases, tokens)
+            if head_pass is None:
+                continue
+            if head_pass.enabled:
+                if loaded is None:  # a resumed part: loaded for its heads only
+                    loaded = load_checkpoint(cfg, series, i)
+                heads[i] = head_pass.rows(loaded, label[i])
+                loaded = None
+                for j in waiting[:-1]:  # collected before the bases existed: again
+                    heads[j] = head_pass.rows(load_checkpoint(cfg, series, j), label[j])
+            waiting = []
+        return parts, bases, heads
 
 
 def _prepare_out_dir(cfg: StudyConfig, out: Path, lock: FolderLock) -> None:
