@@ -33,8 +33,9 @@ from .models import is_hub_id, load, quiet_transformers
 from .probes.bases import BasisSet
 from .probes.driver import fit_bases, run
 from .report import write_overview, write_report
+from .report.claims import Claim
 from .report.page import is_report
-from .report.verdicts import compare_models, verdicts
+from .report.verdicts import paper_claims
 from .settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY
 from .study import Study, StudyConfig
 from .train import TrainConfig, train
@@ -389,7 +390,7 @@ class DemoOutcome:
     table: pd.DataFrame
     report: Path
     seconds: float
-    claims: list[dict[str, Any]]
+    claims: list[Claim]
 
 
 def demo(
@@ -414,8 +415,8 @@ def demo(
             tables[kind] = Study(cfg).run(folder, progress=progress)
             write_report(folder, folder / "report.html", title=f"tangentlens demo: {kind}")
         log(f"[{len(MODEL_KINDS) + 1}/{len(MODEL_KINDS) + 1}] verdicts and the report")
-        claims = [c for kind in MODEL_KINDS for c in verdicts(tables[kind], model=kind)]
-        claims += compare_models(*(verdicts(tables[k], model=k) for k in MODEL_KINDS))
-        write_json(out / SUMMARY_FILE, {"claims": claims, "models": list(MODEL_KINDS)})
+        claims = paper_claims({kind: tables[kind] for kind in MODEL_KINDS})
+        records = [c.to_dict() for c in claims]
+        write_json(out / SUMMARY_FILE, {"claims": records, "models": list(MODEL_KINDS)})
         page = write_overview({k: out / k for k in MODEL_KINDS}, claims, out / "report.html")
     return DemoOutcome(tables["decoder"], page, time.perf_counter() - start, claims)
