@@ -23,7 +23,9 @@ from ..heads import head_arrays
 from .table import (
     ALPHA,
     CENTRES,
-    final,
+    centres_text,
+    correlations,
+    gradient,
     per_step,
     pick,
     prepare,
@@ -208,8 +210,7 @@ def _heatmap(t: pd.DataFrame) -> tuple[Figure, str] | None:
 
 def _energy(t: pd.DataFrame) -> tuple[Figure, str] | None:
     site = residual_site(t)
-    ratio = pick(t, "energy_ratio", site=site, probe="gradient")
-    pval = pick(t, "p_value", site=site, probe="gradient")
+    ratio, pval = gradient(t, "energy_ratio"), gradient(t, "p_value")
     if len(steps(ratio)) < 2:
         return None
     fig, (ax_r, ax_p) = _figure(2)
@@ -258,8 +259,7 @@ def _layer_colourbar(fig: Figure, axes: list, layers: list) -> None:
 
 def _isotropy(t: pd.DataFrame) -> tuple[Figure, str] | None:
     site = residual_site(t)
-    d_t = pick(t, "delta_iso_tangent", site=site, probe="gradient")
-    d_n = pick(t, "delta_iso_normal", site=site, probe="gradient")
+    d_t, d_n = gradient(t, "delta_iso_tangent"), gradient(t, "delta_iso_normal")
     if d_t.empty or d_n.empty:
         return None
     fig, (ax,) = _figure(1, width=7.5)
@@ -292,7 +292,7 @@ def _isotropy(t: pd.DataFrame) -> tuple[Figure, str] | None:
 
 
 def _frequency(t: pd.DataFrame) -> tuple[Figure, str] | None:
-    present = [c for c in CENTRES if not pick(t, f"pearson_{c}").empty]
+    present = list(correlations(t))
     if not present:
         return None
     fig, axes = _figure(2)
@@ -319,8 +319,7 @@ def _frequency(t: pd.DataFrame) -> tuple[Figure, str] | None:
         ax.set(title=f"{kind.title()} r: log frequency vs distance to centre", ylabel="r")
     _legend(fig, axes)
     last = seen[-1] if seen else None
-    values = {c: final(t, f"pearson_{c}") for c in present}
-    text = ", ".join(f"{CENTRES[c]} {v:+.2f}" for c, v in values.items() if v is not None)
+    text = centres_text(correlations(t))
     where = f" at step {last}" if last is not None else ""
     return fig, (
         f"Pearson r{where}: {text} (negative: frequent tokens sit closer to the centre; "
