@@ -222,7 +222,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _say(f"summary: {(out / workflows.SUMMARY_FILE).resolve()}")
     _say("\nthe paper's claims, verdicts from 95 % intervals:")
     for c in done.claims:
-        _say(f"  [{c['verdict']}] {c['model']}, {c['gradient_object']}: {c['paper']}")
+        _say(f"  [{c.verdict}] {c.model}, {c.gradient_object}: {c.paper}")
     return 0
 
 

@@ -35,12 +35,13 @@ later layer is biased (the bias *sets in* and stays); None when the last layer i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
 from .errors import UsageError
 
-__all__ = ["DepthProfile"]
+__all__ = ["DepthProfile", "plot_profiles"]
 
 _COLUMNS = (
     "tangent_share",
@@ -252,74 +253,125 @@ class DepthProfile:
         intervals on a log axis (1 dotted, the amplification onset as a red line).
         ``axes``: three matplotlib Axes to draw on (default: a new figure). Each series
         is one line through the layers where it was measured. Returns the figure."""
-        import numpy as np
-        from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
-        from matplotlib.ticker import MaxNLocator
+        return plot_profiles([(self.site, self)], axes)
 
-        if axes is None:
-            fig = Figure(figsize=(12, 3.6))
-            axes = fig.subplots(1, 3)
-        if len(axes) != 3:
-            raise UsageError(f"plot needs three Axes (shares, ratios, amplification); got {axes}.")
-        fig = axes[0].figure
+    def _draw(self, axes: Any, label: str | None, colour: Any, shift: float, floor: Any) -> None:
+        """This profile's lines on the three panels: every series, each labelled, when
+        ``label`` is None (a profile alone); else only the stream's, in ``colour``, the
+        share panel's line labelled ``label``, the amplifications moved by ``shift`` so
+        the profiles' intervals stand side by side (several profiles on one figure)."""
         ax_s, ax_r, ax_a = axes
-        t = self._table
+        t, alone = self._table, label is None
+        style = {} if alone else {"color": colour}
 
-        def line(ax: Any, series: Any, style: str, label: str) -> Any:
+        def line(ax: Any, series: Any, fmt: str, text: str | None, dx: float = 0.0) -> Any:
             series = series.dropna()
             if len(series):
-                return ax.plot(
-                    series.index.to_numpy(int), series.to_numpy(float), style, label=label
-                )[0]
+                x, y = series.index.to_numpy(int) + dx, series.to_numpy(float)
+                return ax.plot(x, y, fmt, label=text if alone or ax is ax_s else None, **style)[0]
             return None
 
         writes = {n: {s: f["value"] for s, f in w.items()} for n, w in self._writes.items()}
-        line(ax_s, t["tangent_share"], "o-", f"{self.site}")
-        line(ax_s, writes["attn_write"]["tangent_share"], "^--", "attn write")
-        line(ax_s, writes["mlp_write"]["tangent_share"], "v--", "mlp write")
-        chance = t["chance_share"].dropna()
-        if len(chance):
-            ax_s.axhline(float(chance.mean()), color="gray", ls=":", lw=1, label="chance (k/d)")
-        ax_s.set(title="energy share in Q_T", ylabel="tangent share", ylim=(0, 1))
+        line(ax_s, t["tangent_share"], "o-", self.site if alone else label)
         line(ax_r, t["share_ratio"], "o-", f"{self.site} share / chance")
-        line(ax_r, writes["attn_write"]["share_ratio"], "^--", "attn write share / chance")
-        line(ax_r, writes["mlp_write"]["share_ratio"], "v--", "mlp write share / chance")
+        if alone:
+            line(ax_s, writes["attn_write"]["tangent_share"], "^--", "attn write")
+            line(ax_s, writes["mlp_write"]["tangent_share"], "v--", "mlp write")
+            line(ax_r, writes["attn_write"]["share_ratio"], "^--", "attn write share / chance")
+            line(ax_r, writes["mlp_write"]["share_ratio"], "v--", "mlp write share / chance")
         line(ax_r, t["energy_ratio"], "s-", "gradient energy ratio")
-        ax_r.set(title="ratios (log axis)", ylabel="ratio to chance / controls")
         amp = self._amplification[lambda a: a["quantity"].isin(list(_AMPLIFIED))]
-        # an interval reaching 0 or below runs to the panel's floor (unbounded on a log axis)
-        floor = np.nanmin([amp["value"].min(), amp["ci_low"].where(amp["ci_low"] > 0).min()])
-        floor = floor / 1.5 if np.isfinite(floor) and floor > 0 else None
-        for quantity, style, shift in (("share", "o-", -0.05), ("energy", "s-", 0.05)):
+        for quantity, fmt, side in (("share", "o-", -0.05), ("energy", "s-", 0.05)):
             a = amp[amp["quantity"] == quantity].set_index("layer")
-            drawn = line(ax_a, a["value"], style, f"{quantity} amplification")
+            drawn = line(ax_a, a["value"], fmt, f"{quantity} amplification", shift)
             bars = a.dropna(subset=["ci_low", "ci_high"])
             if drawn is not None and len(bars) and floor is not None:
-                x = bars.index.to_numpy(float) + shift  # side by side, not one over the other
+                x = bars.index.to_numpy(float) + side + shift  # side by side, not stacked
                 low = bars["ci_low"].clip(lower=floor)
                 ax_a.vlines(x, low, bars["ci_high"], color=drawn.get_color(), lw=1.5)
-        if floor is not None:
-            ax_a.set_ylim(bottom=floor)
-        ax_a.set(title="amplification (log axis)", ylabel="ratio to the previous layer")
-        onset = self.amplification_onset()
-        if onset is not None:
-            ax_a.axvline(onset, color="red", lw=1, label="amplification onset")
-        for ax in (ax_r, ax_a):
-            _log_axis(ax)
-            ax.axhline(1.0, color="gray", ls=":", lw=1)
-        for ax in axes:
-            ax.set_xlabel("layer")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-        fig.tight_layout()
-        return fig
 
     def __repr__(self) -> str:
         return (
             f"DepthProfile(site={self.site!r}, layers={len(self.layers)}, "
             f"onset={self.onset_layer}, amplification_onset={self.amplification_onset()})"
         )
+
+
+def plot_profiles(
+    profiles: Sequence[tuple[str, DepthProfile]],
+    axes: Any = None,
+    *,
+    colours: Sequence[Any] | None = None,
+    legend: bool = True,
+) -> Any:
+    """The depth figure, for one profile or several (``(label, profile)``: a study's
+    checkpoints or windows), so a lone profile and a report's series are drawn by the same
+    code. Three panels against depth: tangent shares (chance dotted); ratios to chance /
+    controls on a log axis; the amplifications with their intervals on a log axis (1
+    dotted). One profile: every series (its block writes too) and the amplification onset
+    as a red line. Several: the stream's lines only, one colour per profile (``colours``,
+    default matplotlib's cycle), ``o`` for shares and ``s`` for gradient energy, so the
+    profiles compare at a glance. ``axes``: three Axes to draw on (default: a new
+    figure, laid out here); ``legend``: a legend per panel (off when the caller gathers
+    the handles itself). Returns the figure."""
+    from matplotlib import rcParams
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    from matplotlib.ticker import MaxNLocator
+
+    if not profiles:
+        raise UsageError("plot_profiles needs at least one (label, DepthProfile).")
+    created = axes is None
+    if created:
+        fig = Figure(figsize=(12, 3.6))
+        axes = fig.subplots(1, 3)
+    if len(axes) != 3:
+        raise UsageError(f"plot needs three Axes (shares, ratios, amplification); got {axes}.")
+    fig = axes[0].figure
+    ax_s, ax_r, ax_a = axes
+    alone = len(profiles) == 1
+    palette = list(colours or rcParams["axes.prop_cycle"].by_key()["color"])
+    amps = [p._amplification for _, p in profiles]
+    amps = [a[a["quantity"].isin(list(_AMPLIFIED))] for a in amps]
+    # an interval reaching 0 or below runs to the panel's floor (unbounded on a log axis)
+    lows = [v for a in amps for v in (a["value"].min(), a["ci_low"].where(a["ci_low"] > 0).min())]
+    floor = min((v for v in lows if math.isfinite(v)), default=math.nan)
+    floor = floor / 1.5 if math.isfinite(floor) and floor > 0 else None
+    spread = 0.0 if alone else 0.3 / len(profiles)  # the profiles' bars side by side
+    for i, (label, profile) in enumerate(profiles):
+        shift = (i - (len(profiles) - 1) / 2) * spread
+        profile._draw(axes, None if alone else label, palette[i % len(palette)], shift, floor)
+    chance = [p._table["chance_share"].dropna() for _, p in profiles]
+    chance = [float(c.mean()) for c in chance if len(c)]
+    if chance:
+        mean = sum(chance) / len(chance)
+        ax_s.axhline(mean, color="gray", ls=":", lw=1, label="chance (k/d)")
+    ax_s.set(title="energy share in Q_T", ylabel="tangent share", ylim=(0, 1))
+    ax_r.set(title="ratios (log axis)", ylabel="ratio to chance / controls")
+    if floor is not None:
+        ax_a.set_ylim(bottom=floor)
+    ax_a.set(title="amplification (log axis)", ylabel="ratio to the previous layer")
+    if alone:
+        onset = profiles[0][1].amplification_onset()
+        if onset is not None:
+            ax_a.axvline(onset, color="red", lw=1, label="amplification onset")
+    else:  # the markers, once: the colours are the profiles
+        ax_r.plot([], [], "o-", color="gray", label="share / chance; share amplification")
+        ax_r.plot([], [], "s-", color="gray", label="gradient energy ratio; its amplification")
+    low, high = ax_r.get_xlim()
+    pad = spread * (len(profiles) - 1) / 2 + 0.1  # room for the intervals beside a point
+    for ax in axes:  # the layers line up across panels, however few
+        ax.set_xlim(low - pad, high + pad)
+    for ax in (ax_r, ax_a):
+        _log_axis(ax)
+        ax.axhline(1.0, color="gray", ls=":", lw=1)
+    for ax in axes:
+        ax.set_xlabel("layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if legend and ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    if created:
+        fig.tight_layout()
+    return fig
 
 
 def _log_axis(ax: Any) -> None:

@@ -33,8 +33,9 @@ from .models import is_hub_id, load, quiet_transformers
 from .probes.bases import BasisSet
 from .probes.driver import fit_bases, run
 from .report import write_overview, write_report
+from .report.claims import Claim
 from .report.page import is_report
-from .report.verdicts import compare_models, verdicts
+from .report.verdicts import paper_claims
 from .settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY
 from .study import Study, StudyConfig
 from .train import TrainConfig, train
@@ -391,7 +392,7 @@ class DemoOutcome:
     table: pd.DataFrame
     report: Path
     seconds: float
-    claims: list[dict[str, Any]]
+    claims: list[Claim]
 
 
 def demo(
@@ -418,8 +419,8 @@ def demo(
             title = f"tangentlens demo: {kind}"
             write_report(tables[kind], folder / "report.html", manifest=study.manifest, title=title)
         log(f"[{len(MODEL_KINDS) + 1}/{len(MODEL_KINDS) + 1}] verdicts and the report")
-        claims = [c for kind in MODEL_KINDS for c in verdicts(tables[kind], model=kind)]
-        claims += compare_models(*(verdicts(tables[k], model=k) for k in MODEL_KINDS))
-        write_json(out / SUMMARY_FILE, {"claims": claims, "models": list(MODEL_KINDS)})
+        claims = paper_claims({kind: tables[kind] for kind in MODEL_KINDS})
+        records = [c.to_dict() for c in claims]
+        write_json(out / SUMMARY_FILE, {"claims": records, "models": list(MODEL_KINDS)})
         page = write_overview({k: out / k for k in MODEL_KINDS}, claims, out / "report.html")
     return DemoOutcome(tables["decoder"], page, time.perf_counter() - start, claims)

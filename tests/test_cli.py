@@ -15,6 +15,7 @@ import pytest
 from models import hf_folder
 
 from tangentlens.cli import main
+from tangentlens.report import Claim
 
 COMMANDS = ("demo", "probe", "train", "study", "report")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -156,6 +157,23 @@ def test_probe_on_the_real_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture
     assert shares["value"].between(0, 1).all()
 
 
+def test_demo_prints_each_claim_from_the_typed_claims(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`demo` prints the claims `workflows.demo` returns, one line each: verdict, model,
+    gradient object and the paper's words, read from the `Claim` objects."""
+    from tangentlens import workflows
+    from tangentlens.report import PAPER, Claim, Estimate
+
+    claim = Claim("energy_early", "decoder", "gradient", "gradient_energy_ratio", 4,
+                  Estimate(3.0, 2.0, 4.0), "agrees")  # fmt: skip
+    done = workflows.DemoOutcome(pd.DataFrame(), tmp_path / "report.html", 1.0, [claim])
+    monkeypatch.setattr(workflows, "demo", lambda *args, **kwargs: done)
+    assert main(["demo", "--quick", "--out", str(tmp_path), "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert f"  [agrees] decoder, gradient: {PAPER['energy_early']}" in printed.splitlines()
+
+
 def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`demo --quick` end to end: a decoder and an encoder, each a full study folder, the
     verdicts in summary.json and an overview page; then `train`, `study` and `report` on
@@ -165,6 +183,7 @@ def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixt
     printed = capsys.readouterr().out
     assert "report:" in printed and "summary:" in printed and "verdicts" in printed
     summary = json.loads((out / "summary.json").read_text())
+    assert [Claim.from_dict(c).to_dict() for c in summary["claims"]] == summary["claims"]
     verdicts = {c["verdict"] for c in summary["claims"]}
     assert verdicts <= {"agrees", "disagrees", "inconclusive"} and verdicts
     kinds = {(c["model"], c["gradient_object"]) for c in summary["claims"]}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from models import native_config, tokens
 
-from tangentlens.depth import DepthProfile
+from tangentlens.depth import DepthProfile, plot_profiles
 from tangentlens.hooks import Site
 from tangentlens.probes import fit_bases, run
 from tangentlens.probes.residual import amplification_rows
@@ -206,3 +206,22 @@ def test_joint_jackknife_matches_leave_one_batch_out_runs(four_layers) -> None:
     series = [label for label in labels if not label.startswith("_")]  # not the 1 lines
     onset = profile.amplification_onset() is not None  # its red line
     assert len(series) == len(set(series)) == 10 + onset  # one line per series
+
+
+def test_several_profiles_share_one_figure_one_colour_each() -> None:
+    """The report's depth figure: a study's checkpoints as profiles on the same three
+    panels, each profile's stream in its own colour, the writes left to a lone profile."""
+    early, late = DepthProfile(_planted()), DepthProfile(_planted(joint={}))
+    fig = plot_profiles([("early", early), ("late", late)], colours=["#0072B2", "#E69F00"])
+    ax_s, ax_r, ax_a = fig.axes
+    stream = ax_s.get_lines()[:2]
+    assert [line.get_label() for line in stream] == ["early", "late"]
+    assert [line.get_color() for line in stream] == ["#0072B2", "#E69F00"]
+    markers = {line.get_marker() for line in ax_r.get_lines() if not len(line.get_xdata())}
+    assert markers == {"o", "s"}  # one legend entry per marker, not per profile
+    assert not any("write" in line.get_label() for ax in fig.axes for line in ax.get_lines())
+    drawn = [line for line in ax_a.get_lines() if line.get_marker() in ("o", "s")]
+    assert len(drawn) == 4  # share and energy amplification per profile
+    assert ax_s.get_xlim() == ax_a.get_xlim()
+    with pytest.raises(ValueError, match="at least one"):
+        plot_profiles([])

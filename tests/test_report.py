@@ -14,6 +14,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from tangentlens import report, results
+from tangentlens.errors import CorruptFileError
 from tangentlens.hooks.sites import Site
 
 STUDY_COLUMNS = list(results.COLUMNS)
@@ -213,3 +214,62 @@ def test_report_renders_in_headless_chromium(written: Path, tmp_path: Path) -> N
     assert rgb.std() > 0.05  # not blank
     # figures bring colour: Okabe-Ito blue or the cividis heatmap, not only black text
     assert (np.abs(rgb[:, 0] - rgb[:, 2]) > 0.2).mean() > 0.01
+
+
+def _windows(early: tuple[float, float, float], diff: tuple[float, float, float]) -> pd.DataFrame:
+    """Window rows of a study (tangentlens.study.windows) for both gradient objects, with
+    the frequency-weighted centre's correlation at two checkpoints."""
+    rows = []
+    for obj in ("gradient", "weight_gradient"):
+        stat = f"{obj}_energy_ratio"
+        late = (early[0] + diff[0], early[1] + diff[0], early[2] + diff[0])
+        for window, name, (v, lo, hi) in [
+            ("early", stat, early),
+            ("late", stat, late),
+            ("late-early", f"{stat}_late_minus_early", diff),
+        ]:
+            rows.append({"probe": "window", "window": window, "rank": 4, "statistic": name,
+                         "value": v, "ci_low": lo, "ci_high": hi})  # fmt: skip
+    rows.append({"probe": "window", "window": "early", "rank": 4, "value": 0.1, "ci_low": 0.05,
+                 "ci_high": 0.2, "statistic": "gradient_delta_iso_excess"})  # fmt: skip
+    for step, v in ((0, -0.1), (8, -0.5)):
+        rows.append({"probe": "embedding", "site": "embed", "layer": 0, "step": step,
+                     "statistic": "pearson_weighted", "value": v, "ci_low": v - 0.1,
+                     "ci_high": v + 0.1})  # fmt: skip
+    return results.frame(pd.DataFrame(rows), ("checkpoint", "step", "window", "rank"))
+
+
+def test_paper_claims_are_typed_and_round_trip_through_json() -> None:
+    """One `Claim` per claim and gradient object, verdicts from the intervals; each claim's
+    JSON record reads back to the same claim and keeps the record's keys."""
+    decoder = _windows(early=(3.0, 2.0, 4.0), diff=(-1.0, -1.5, -0.5))
+    encoder = _windows(early=(1.2, 0.9, 1.5), diff=(0.1, -0.4, 0.6))
+    found = report.paper_claims({"decoder": decoder, "encoder": encoder})
+    by = {(c.model, c.gradient_object, c.name): c for c in found}
+    early = by["decoder", "gradient", "energy_early"]
+    assert early.verdict == "agrees" and early.interval == (2.0, 4.0)
+    assert early.paper == report.PAPER["energy_early"]
+    assert by["decoder", "gradient", "energy_late"].verdict == "agrees"  # wholly below 0
+    assert by["encoder", "gradient", "energy_early"].verdict == "inconclusive"
+    assert by["decoder", "embedding", "frequency"].estimate.value == -0.5  # last checkpoint
+    assert by["decoder vs encoder", "weight_gradient", "encoders_weaker"].verdict == "agrees"
+    late = by["decoder", "weight_gradient", "energy_late"]
+    assert late.measured == "-1 [-1.5, -0.5]; late 2 [1, 3]"
+    record = late.to_dict()
+    assert set(record) == {"claim", "paper", "statistic", "model", "gradient_object", "rank",
+                           "early", "late", "difference", "verdict"}  # fmt: skip
+    assert record["difference"] == {"value": -1.0, "ci": [-1.5, -0.5]}
+    for claim in found:
+        assert report.Claim.from_dict(claim.to_dict()) == claim
+    with pytest.raises(CorruptFileError):
+        report.Claim.from_dict({"claim": "energy_early", "model": "decoder"})
+    rows = report.summary(decoder)  # a lone study: its claims as the summary's rows
+    assert [r.agrees for r in rows if r.paper == early.paper] == ["agrees", "agrees"]
+
+
+def test_overview_shows_each_claim(tmp_path: Path) -> None:
+    decoder = _windows(early=(3.0, 2.0, 4.0), diff=(-1.0, -1.5, -0.5))
+    found = report.paper_claims({"decoder": decoder})
+    page = report.write_overview({}, found, tmp_path / "overview.html").read_text()
+    assert page.count('<td class="agrees">') == sum(c.verdict == "agrees" for c in found)
+    assert "early 3 [2, 4]; late 2 [1, 3]; difference -1 [-1.5, -0.5]" in page

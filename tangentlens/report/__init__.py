@@ -6,6 +6,7 @@ long results table (`tangentlens.results`).
 >>> fig = report.plot_depth_profile(session.results())
 """
 
+from .claims import Claim, Estimate
 from .figures import (
     FIGURES,
     Rendered,
@@ -18,16 +19,20 @@ from .figures import (
     render_figures,
 )
 from .page import load_results, write_overview, write_report
-from .summary import Claim, format_summary, summary
+from .summary import SummaryRow, format_summary, summary
 from .table import PAPER
+from .verdicts import paper_claims
 
 __all__ = [
     "FIGURES",
     "PAPER",
     "Claim",
+    "Estimate",
     "Rendered",
+    "SummaryRow",
     "format_summary",
     "load_results",
+    "paper_claims",
     "plot_depth_profile",
     "plot_energy_over_training",
     "plot_frequency_distance",

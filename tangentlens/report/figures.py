@@ -19,11 +19,15 @@ from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 from matplotlib.transforms import blended_transform_factory
 
+from ..depth import DepthProfile, plot_profiles
+from ..errors import UsageError
 from ..heads import head_arrays
 from .table import (
     ALPHA,
     CENTRES,
-    final,
+    centres_text,
+    correlations,
+    gradient,
     per_step,
     pick,
     prepare,
@@ -117,38 +121,44 @@ class Rendered:
     reading: str
 
 
+def _profile(g: pd.DataFrame, site: str, intervals: bool) -> DepthProfile | None:
+    """The depth profile of one line group: each statistic's mean per layer (a window's
+    checkpoints averaged; their intervals only where the group is one checkpoint, as a mean
+    of intervals is no interval; a table with the shares but not their ratio gets it from
+    them); None when the group has neither ratio at ``site``."""
+    rows = g[g["site"].notna() & g["layer"].notna() & g["head"].isna()]
+    if rows["probe"].isna().all() and (rows["statistic"] == "energy_ratio").any():
+        rows = rows[rows["statistic"] != "tangent_share"]  # whose? residual and gradient's
+    rows = rows.assign(probe=rows["probe"].fillna(""))  # DepthProfile's "any probe"
+    columns = ["value", *(c for c in ("ci_low", "ci_high") if intervals and c in g)]
+    means = rows.groupby(["probe", "site", "layer", "statistic"])[columns].mean().reset_index()
+    stream = means[(means["probe"].isin(["residual", ""])) & (means["site"] == site)]
+    by = stream.pivot_table(index="layer", columns="statistic", values="value")
+    if "share_ratio" not in by and {"tangent_share", "chance_share"} <= set(by):
+        ratio = (by["tangent_share"] / by["chance_share"]).dropna()  # the catalogue's definition
+        derived = pd.DataFrame({"probe": "residual", "site": site, "layer": ratio.index,
+                                "statistic": "share_ratio", "value": ratio.to_numpy()})  # fmt: skip
+        means = pd.concat([means, derived], ignore_index=True)
+    try:
+        return DepthProfile(means, site=site)
+    except UsageError:  # neither ratio in this group
+        return None
+
+
 def _depth(t: pd.DataFrame) -> tuple[Figure, str] | None:
     site = residual_site(t)
-    share = pick(t, "tangent_share", site=site, probe="residual")
-    energy = pick(t, "energy_ratio", site=site, probe="gradient")
-    if share.empty and energy.empty:
+    groups = [(label, _profile(g, site, g["step"].nunique() <= 1)) for label, g in _groups(t)]
+    profiles = [(label, p) for label, p in groups if p is not None]
+    if not profiles:
         return None
-    if "probe" in t and share["probe"].isna().all() and not energy.empty:
-        share = share.iloc[0:0]  # without a probe column the shares are ambiguous
-    fig, (ax_s, ax_e) = _figure(2)
-    for label, g in _groups(t):
-        s = share[share.index.isin(g.index)].groupby("layer")["value"].mean()
-        e = energy[energy.index.isin(g.index)].groupby("layer")["value"].mean()
-        if len(s):
-            ax_s.plot(s.index, s.to_numpy(), "o-", label=label, ms=4)
-        if len(e):
-            ax_e.plot(e.index, e.to_numpy(), "s-", label=label, ms=4)
-    chance = pick(t, "chance_share", site=site, probe="residual")["value"]
-    if len(chance):
-        ax_s.axhline(float(chance.mean()), color="gray", ls=":", lw=1.2, label="chance (k/d)")
-    ax_e.axhline(1.0, color="gray", ls=":", lw=1.2, label="normal controls (1)")
-    ax_s.set(title=f"Residual stream ({site}): energy share in Q_T", xlabel="layer")
-    ax_s.set_ylabel("tangent share")
-    ax_e.set(title="Gradient energy in Q_T over matched normal controls", xlabel="layer")
-    ax_e.set_ylabel("energy ratio")
-    for ax in (ax_s, ax_e):
-        ax.xaxis.get_major_locator().set_params(integer=True)
-    _legend(fig, [ax_s, ax_e])
-    groups = _groups(t)
+    fig, axes = _figure(3, width=4.4)
+    plot_profiles(profiles, axes, colours=OKABE_ITO, legend=False)
+    axes[0].set_title(f"Residual stream ({site}): energy share in Q_T")
+    _legend(fig, axes)
     parts = []
-    for label, g in (groups[0], groups[-1]) if len(groups) > 1 else groups:
-        s = share[share.index.isin(g.index)].groupby("layer")["value"].mean()
-        e = energy[energy.index.isin(g.index)].groupby("layer")["value"].mean()
+    for label, profile in (profiles[0], profiles[-1]) if len(profiles) > 1 else profiles:
+        layers = profile.to_frame()
+        s, e = layers["tangent_share"].dropna(), layers["energy_ratio"].dropna()
         text = []
         if len(s):
             text.append(f"residual share in Q_T {s.mean():.2f} (peak at layer {s.idxmax():.0f})")
@@ -157,6 +167,7 @@ def _depth(t: pd.DataFrame) -> tuple[Figure, str] | None:
                 f"gradient energy {e.mean():.2f}× the controls (peak at layer {e.idxmax():.0f})"
             )
         parts.append(f"{label}: " + ", ".join(text))
+    chance = pick(t, "chance_share", site=site, probe="residual")["value"]
     note = f"; chance share {chance.mean():.2f}" if len(chance) else ""
     return fig, "Mean over layers, " + "; ".join(parts) + note + "."
 
@@ -208,8 +219,7 @@ def _heatmap(t: pd.DataFrame) -> tuple[Figure, str] | None:
 
 def _energy(t: pd.DataFrame) -> tuple[Figure, str] | None:
     site = residual_site(t)
-    ratio = pick(t, "energy_ratio", site=site, probe="gradient")
-    pval = pick(t, "p_value", site=site, probe="gradient")
+    ratio, pval = gradient(t, "energy_ratio"), gradient(t, "p_value")
     if len(steps(ratio)) < 2:
         return None
     fig, (ax_r, ax_p) = _figure(2)
@@ -258,8 +268,7 @@ def _layer_colourbar(fig: Figure, axes: list, layers: list) -> None:
 
 def _isotropy(t: pd.DataFrame) -> tuple[Figure, str] | None:
     site = residual_site(t)
-    d_t = pick(t, "delta_iso_tangent", site=site, probe="gradient")
-    d_n = pick(t, "delta_iso_normal", site=site, probe="gradient")
+    d_t, d_n = gradient(t, "delta_iso_tangent"), gradient(t, "delta_iso_normal")
     if d_t.empty or d_n.empty:
         return None
     fig, (ax,) = _figure(1, width=7.5)
@@ -292,7 +301,7 @@ def _isotropy(t: pd.DataFrame) -> tuple[Figure, str] | None:
 
 
 def _frequency(t: pd.DataFrame) -> tuple[Figure, str] | None:
-    present = [c for c in CENTRES if not pick(t, f"pearson_{c}").empty]
+    present = list(correlations(t))
     if not present:
         return None
     fig, axes = _figure(2)
@@ -319,8 +328,7 @@ def _frequency(t: pd.DataFrame) -> tuple[Figure, str] | None:
         ax.set(title=f"{kind.title()} r: log frequency vs distance to centre", ylabel="r")
     _legend(fig, axes)
     last = seen[-1] if seen else None
-    values = {c: final(t, f"pearson_{c}") for c in present}
-    text = ", ".join(f"{CENTRES[c]} {v:+.2f}" for c, v in values.items() if v is not None)
+    text = centres_text(correlations(t))
     where = f" at step {last}" if last is not None else ""
     return fig, (
         f"Pearson r{where}: {text} (negative: frequent tokens sit closer to the centre; "

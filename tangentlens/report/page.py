@@ -24,8 +24,9 @@ from .. import results
 from ..errors import CorruptFileError
 from ..files import atomic_write, write_text
 from ..results import frame
+from .claims import Claim
 from .figures import Rendered, render_figures
-from .summary import Claim, summary
+from .summary import SummaryRow, summary
 from .table import prepare, ranks, steps
 
 __all__ = ["MANIFEST_FILE", "is_report", "load_results", "write_overview", "write_report"]
@@ -79,7 +80,7 @@ def _describe(t: pd.DataFrame, all_ranks: list[int], extra: list[str]) -> str:
 def _html(
     t: pd.DataFrame,
     description: str,
-    claims: list[Claim],
+    rows: list[SummaryRow],
     figures: list[tuple[Rendered, bytes]],
     config: Mapping[str, Any] | None,
     manifest: Mapping[str, Any] | None,
@@ -97,12 +98,12 @@ def _html(
         f'<p class="meta">Generated {now} · {esc(description)}</p>',
         "<h2>Summary</h2>",
     ]
-    if claims:
+    if rows:
         out.append(
             '<table class="summary"><tr><th>Quantity</th><th>Measured here</th>'
             "<th>Paper</th><th>Agrees</th></tr>"
         )
-        for c in claims:
+        for c in rows:
             out.append(
                 f"<tr><td>{esc(c.quantity)}</td><td>{esc(c.measured)}</td>"
                 f'<td>{esc(c.paper)}</td><td class="{esc(c.agrees)}">{esc(c.agrees)}</td></tr>'
@@ -209,19 +210,9 @@ def write_report(
     return write_text(out, page)
 
 
-def _numbers(claim: dict[str, Any]) -> str:
-    parts = []
-    for key in ("early", "late", "difference", "decoder", "encoder", "last"):
-        numbers = claim.get(key)
-        if numbers:
-            low, high = numbers["ci"]
-            parts.append(f"{key} {numbers['value']:.3g} [{low:.3g}, {high:.3g}]")
-    return "; ".join(parts)
-
-
 def write_overview(
     folders: Mapping[str, Path],
-    claims: list[dict[str, Any]],
+    claims: list[Claim],
     out_path: str | Path,
     *,
     title: str = "tangentlens demo: decoder and encoder",
@@ -232,9 +223,10 @@ def write_overview(
     esc = html.escape
     out = Path(out_path)
     rows = "".join(
-        f"<tr><td>{esc(c['paper'])}</td><td>{esc(c['model'])}</td>"
-        f"<td>{esc(c['gradient_object'])}</td><td>{esc(c['statistic'])} (rank {c['rank']})</td>"
-        f'<td>{esc(_numbers(c))}</td><td class="{esc(c["verdict"])}">{esc(c["verdict"])}</td></tr>'
+        f"<tr><td>{esc(c.paper)}</td><td>{esc(c.model)}</td>"
+        f"<td>{esc(c.gradient_object)}</td><td>{esc(c.statistic)} (rank {c.rank})</td>"
+        f'<td>{esc(c.describe_numbers())}</td><td class="{esc(c.verdict)}">'
+        f"{esc(c.verdict)}</td></tr>"
         for c in claims
     )
     body = [

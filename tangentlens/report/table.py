@@ -12,7 +12,10 @@ __all__ = [
     "ALPHA",
     "CENTRES",
     "PAPER",
+    "centres_text",
+    "correlations",
     "final",
+    "gradient",
     "per_step",
     "pick",
     "prepare",
@@ -36,6 +39,7 @@ PAPER = {
     "energy_early": "gradient energy concentrated in Q_T early in training (ratio ≫ 1)",
     "energy_late": "weaker late in training than early",
     "isotropy": "removing Q_T raises IsoScore* more than removing a normal control",
+    "encoders_weaker": "the effect is weaker in encoders than in decoders",
 }
 
 
@@ -120,3 +124,21 @@ def final(t: pd.DataFrame, statistic: str) -> float | None:
     if seen:
         rows = rows[rows["step"] == seen[-1]]
     return float(rows["value"].mean())
+
+
+def gradient(t: pd.DataFrame, statistic: str) -> pd.DataFrame:
+    """Finite rows of one statistic of the activation-gradient probe at the table's
+    residual site: the rows every energy and isotropy number of the report is read from."""
+    return pick(t, statistic, site=residual_site(t), probe="gradient")
+
+
+def correlations(t: pd.DataFrame, kind: str = "pearson") -> dict[str, float]:
+    """Each embedding centre's correlation (``kind``: pearson or spearman) at the last
+    step, for the centres the table has."""
+    found = {c: final(t, f"{kind}_{c}") for c in CENTRES}
+    return {c: v for c, v in found.items() if v is not None}
+
+
+def centres_text(values: dict[str, float]) -> str:
+    """``frequency-weighted mean -0.56, ...``: the centres' correlations as one line."""
+    return ", ".join(f"{CENTRES[c]} {v:+.2f}" for c, v in values.items())

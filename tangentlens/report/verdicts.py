@@ -3,27 +3,21 @@
 
 A study's table holds window rows (``probe="window"``, `tangentlens.study.windows`): the
 early- and late-window means of each gradient object's ``energy_ratio`` and their
-difference, with jackknife intervals over groups of probe sequences. `verdicts` reads
-them; `compare_models` sets a decoder's early energy ratio against an encoder's.
+difference, with jackknife intervals over groups of probe sequences. `paper_claims` reads them
+for each model and sets a decoder's early energy ratio against an encoder's.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
 
 import pandas as pd
 
 from ..results import select
-from .table import PAPER
+from .claims import OBJECTS, Claim, Estimate
 
-__all__ = ["OBJECTS", "compare_models", "verdicts"]
-
-OBJECTS = {
-    "gradient": "activation gradient ∂L/∂h (residual stream)",
-    "weight_gradient": "weight gradient Σ G Gᵀ of W_Q/W_K/W_V and the MLP input maps",
-}
-PAPER_ENCODERS = "the effect is weaker in encoders than in decoders"
+__all__ = ["paper_claims"]
 
 
 def _verdict(low: float, high: float, line: float, above_agrees: bool) -> str:
@@ -37,24 +31,20 @@ def _verdict(low: float, high: float, line: float, above_agrees: bool) -> str:
     return "inconclusive"
 
 
-def _window(table: pd.DataFrame, statistic: str, window: str, rank: int) -> dict | None:
+def _estimate(row: pd.Series) -> Estimate:
+    return Estimate(float(row["value"]), float(row["ci_low"]), float(row["ci_high"]))
+
+
+def _window(table: pd.DataFrame, statistic: str, window: str, rank: int) -> Estimate | None:
     rows = select(table, probe="window", statistic=statistic, window=window, rank=rank)
-    if rows.empty:
-        return None
-    r = rows.iloc[0]
-    return {"value": float(r["value"]), "ci": [float(r["ci_low"]), float(r["ci_high"])]}
+    return None if rows.empty else _estimate(rows.iloc[0])
 
 
-def _claim(model: str, obj: str, name: str, stat: str, rank: int, **numbers: Any) -> dict:
-    return {"claim": name, "paper": PAPER[name], "statistic": stat, "model": model,
-            "gradient_object": obj, "rank": rank, **numbers}  # fmt: skip
-
-
-def verdicts(table: pd.DataFrame, *, model: str = "decoder") -> list[dict[str, Any]]:
+def _for_model(table: pd.DataFrame, model: str) -> list[Claim]:
     """Each claim of the paper this study's window rows speak to, per gradient object,
-    with the numbers (value and 95 % interval) and a verdict; the smallest rank. The
-    frequency claim reads the frequency-weighted centre's Pearson r at the last checkpoint
-    (Fisher interval); the paper's sign depends on the centre, which the report shows."""
+    at the smallest rank. The frequency claim reads the frequency-weighted centre's
+    Pearson r at the last checkpoint (Fisher interval); the paper's sign depends on the
+    centre, which the report shows."""
     windows = select(table, probe="window")
     if windows.empty:
         return []
@@ -66,52 +56,57 @@ def verdicts(table: pd.DataFrame, *, model: str = "decoder") -> list[dict[str, A
         late = _window(table, stat, "late", rank)
         diff = _window(table, f"{stat}_late_minus_early", "late-early", rank)
         if early is not None:
-            verdict = _verdict(*early["ci"], line=1.0, above_agrees=True)
-            out.append(_claim(model, obj, "energy_early", stat, rank, early=early,
-                              verdict=verdict))  # fmt: skip
+            verdict = _verdict(early.low, early.high, line=1.0, above_agrees=True)
+            out.append(Claim("energy_early", model, obj, stat, rank, early, verdict))
         if diff is not None:
-            verdict = _verdict(*diff["ci"], line=0.0, above_agrees=False)
-            name = f"{stat}_late_minus_early"
-            out.append(_claim(model, obj, "energy_late", name, rank, early=early, late=late,
-                              difference=diff, verdict=verdict))  # fmt: skip
+            verdict = _verdict(diff.low, diff.high, line=0.0, above_agrees=False)
+            out.append(Claim("energy_late", model, obj, f"{stat}_late_minus_early", rank,
+                             diff, verdict, (("early", early), ("late", late))))  # fmt: skip
     weighted = select(table, probe="embedding", statistic="pearson_weighted").dropna(
         subset=["step"]
     )
     if len(weighted):
-        last = weighted[weighted["step"] == weighted["step"].max()].iloc[0]
-        numbers = {"value": float(last["value"]), "ci": [float(last["ci_low"]),
-                                                          float(last["ci_high"])]}  # fmt: skip
-        verdict = _verdict(*numbers["ci"], line=0.0, above_agrees=False)
-        out.append(_claim(model, "embedding", "frequency", "pearson_weighted", rank,
-                          last=numbers, verdict=verdict))  # fmt: skip
+        last = _estimate(weighted[weighted["step"] == weighted["step"].max()].iloc[0])
+        verdict = _verdict(last.low, last.high, line=0.0, above_agrees=False)
+        out.append(Claim("frequency", model, "embedding", "pearson_weighted", rank, last,
+                         verdict))  # fmt: skip
     iso = _window(table, "gradient_delta_iso_excess", "early", rank)
     if iso is not None:
-        verdict = _verdict(*iso["ci"], line=0.0, above_agrees=True)
-        out.append(_claim(model, "gradient", "isotropy", "gradient_delta_iso_excess", rank,
-                          early=iso, verdict=verdict))  # fmt: skip
+        verdict = _verdict(iso.low, iso.high, line=0.0, above_agrees=True)
+        out.append(Claim("isotropy", model, "gradient", "gradient_delta_iso_excess", rank, iso,
+                         verdict))  # fmt: skip
     return out
 
 
-def compare_models(decoder: list[dict], encoder: list[dict]) -> list[dict[str, Any]]:
+def _compare(decoder: list[Claim], encoder: list[Claim]) -> list[Claim]:
     """Decoder against encoder: agrees when the decoder's early energy ratio interval lies
     wholly above the encoder's, disagrees when wholly below, else inconclusive."""
     out = []
     for obj in OBJECTS:
-        dec = next((c for c in decoder if c["claim"] == "energy_early"
-                    and c["gradient_object"] == obj), None)  # fmt: skip
-        enc = next((c for c in encoder if c["claim"] == "energy_early"
-                    and c["gradient_object"] == obj), None)  # fmt: skip
+        dec = next((c for c in decoder if c.name == "energy_early"
+                    and c.gradient_object == obj), None)  # fmt: skip
+        enc = next((c for c in encoder if c.name == "energy_early"
+                    and c.gradient_object == obj), None)  # fmt: skip
         if dec is None or enc is None:
             continue
-        (d_low, d_high), (e_low, e_high) = dec["early"]["ci"], enc["early"]["ci"]
-        if d_low > e_high:
+        d, e = dec.estimate, enc.estimate
+        if d.low > e.high:
             verdict = "agrees"
-        elif d_high < e_low:
+        elif d.high < e.low:
             verdict = "disagrees"
         else:
             verdict = "inconclusive"
-        out.append({"claim": "encoders_weaker", "paper": PAPER_ENCODERS,
-                    "statistic": f"{obj}_energy_ratio", "model": "decoder vs encoder",
-                    "gradient_object": obj, "rank": dec["rank"], "decoder": dec["early"],
-                    "encoder": enc["early"], "verdict": verdict})  # fmt: skip
+        out.append(Claim("encoders_weaker", "decoder vs encoder", obj, f"{obj}_energy_ratio",
+                         dec.rank, d, verdict, (("encoder", e),)))  # fmt: skip
+    return out
+
+
+def paper_claims(tables: Mapping[str, pd.DataFrame]) -> list[Claim]:
+    """The paper's claims against each study table (``{model: table}``, model ``decoder``
+    or ``encoder``, in order), then, when both are there, the decoder against the
+    encoder: the one list the summary, the pages, ``summary.json`` and the CLI show."""
+    per_model = {model: _for_model(table, model) for model, table in tables.items()}
+    out = [c for found in per_model.values() for c in found]
+    if "decoder" in per_model and "encoder" in per_model:
+        out += _compare(per_model["decoder"], per_model["encoder"])
     return out
