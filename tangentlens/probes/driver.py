@@ -289,9 +289,8 @@ def fit_bases(
         for part in (batches[0::2], batches[1::2])
         if part
     ]
-    moments = {s: Moments(dtype=state_dtype(memory)).merge(m) for s, m in halves[0].items()}
-    for s, m in (halves[1] if len(halves) > 1 else {}).items():
-        moments[s].merge(m)
+    dtype = state_dtype(memory)
+    moments = {s: Moments.merged([h[s] for h in halves if s in h], dtype=dtype) for s in halves[0]}
     empty = [s.hook_name for s, m in moments.items() if m.count < 2]
     if empty:
         raise UsageError(

@@ -415,13 +415,6 @@ class Part:
     meta: dict[str, Any]
 
 
-def _merged(groups: list[Moments]) -> Moments:
-    out = Moments()
-    for m in groups:
-        out.merge(m)
-    return out
-
-
 def load_part(path: Path) -> Part:
     """Read a part file; anything missing or malformed is a `CorruptFileError`."""
     tensors, header = load_tensors(path)
@@ -467,8 +460,8 @@ def load_part(path: Path) -> Part:
                 raise IndexError(f"group {group} of {n_groups}")
             target = act_groups if kind == "act" else grad_groups
             target.setdefault(site, [Moments() for _ in range(n_groups)])[int(group)] = m
-        acts = {s: _merged(g) for s, g in act_groups.items()} | writes
-        grads = {s: _merged(g) for s, g in grad_groups.items()}
+        acts = {s: Moments.merged(g) for s, g in act_groups.items()} | writes
+        grads = {s: Moments.merged(g) for s, g in grad_groups.items()}
         wgrad_groups: dict[Site, list[Tensor]] = {}
         for (group, site), t in sorted(wgrad.items(), key=lambda kv: kv[0][0]):
             if not 0 <= group < n_groups or tuple(t.shape) != (d, d):
