@@ -84,27 +84,22 @@ class _Rows:
         site: Site | None = None,
         cis: Mapping[str, tuple[float, float]] | None = None,
     ) -> None:
-        where = {
-            "hook": None if site is None else site.hook_name,
-            "site": None if site is None else site.kind,
-            "layer": None if site is None else site.layer,
-        }
+        checkpoint = None if self.step is None else f"step{self.step}"
         for stat, value in values.items():
             low, high = (cis or {}).get(stat, (math.nan, math.nan))
             self.rows.append(
-                {
-                    "checkpoint": None if self.step is None else f"step{self.step}",
-                    "step": self.step,
-                    "window": self.window,
-                    "rank": rank,
-                    "probe": probe,
-                    **where,
-                    "head": None,
-                    "statistic": stat,
-                    "value": math.nan if value is None else float(value),
-                    "ci_low": low,
-                    "ci_high": high,
-                }
+                results.row(
+                    probe,
+                    site,
+                    stat,
+                    math.nan if value is None else float(value),
+                    checkpoint=checkpoint,
+                    step=self.step,
+                    window=self.window,
+                    rank=rank,
+                    ci_low=low,
+                    ci_high=high,
+                )
             )
 
     def frame(self) -> pd.DataFrame:
