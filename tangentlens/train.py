@@ -47,7 +47,7 @@ from .files import (
     write_json,
 )
 from .settings import TRAIN
-from .validation import check_encoding, is_int
+from .validation import check_encoding, check_seq_len, is_int
 from .version import __version__
 
 __all__ = ["TrainConfig", "checkpoint_steps", "train"]
@@ -118,7 +118,6 @@ class TrainConfig:
             "n_heads",
             "n_kv_heads",
             "d_mlp",
-            "seq_len",
             "batch_size",
             "max_steps",
             "last_log_step",
@@ -131,6 +130,7 @@ class TrainConfig:
             if not is_int(value) or value < 1:
                 raise UsageError(f"TrainConfig.{name} must be a positive int; got {value!r}.")
             setattr(self, name, int(value))  # numpy ints too, as plain ints for JSON
+        self.seq_len = check_seq_len(self.seq_len, "TrainConfig.seq_len")
         for name in ("seed", "warmup_steps"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:

@@ -38,7 +38,14 @@ from .report.verdicts import compare_models, verdicts
 from .settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY
 from .study import Study, StudyConfig
 from .train import TrainConfig, train
-from .validation import check_backend, check_encoding, check_int, check_rank, is_int
+from .validation import (
+    check_backend,
+    check_encoding,
+    check_int,
+    check_rank,
+    check_seq_len,
+    is_int,
+)
 from .version import __version__
 
 __all__ = [
@@ -75,20 +82,11 @@ def _local(path: str | None) -> str | None:
     return str(Path(path).expanduser().resolve())
 
 
-def _check_seq_len(seq_len: Any) -> int:
-    if not is_int(seq_len) or seq_len < 2:
-        raise UsageError(
-            f"--seq-len must be an int >= 2; got {seq_len!r}: a one-token sequence has no "
-            "next token to predict (no gradient) and no pair of tokens to attend."
-        )
-    return int(seq_len)
-
-
 def token_blocks(
     tokenizer: Any, text: str | None, tokens: int, seq_len: int, encoding: str = "utf-8"
 ) -> Tensor:
     """``(n, seq_len)`` token blocks: ``2 * tokens`` tokens of the text (or the KJV)."""
-    seq_len = _check_seq_len(seq_len)
+    seq_len = check_seq_len(seq_len, "--seq-len")
     lines = load_lines(text, max(20_000, 12 * 2 * tokens), encoding)
     ids = encode(tokenizer, lines)
     n_blocks = min(ids.numel() // seq_len, 2 * max(1, tokens // seq_len))
@@ -202,7 +200,7 @@ def probe_model(
         "rank": check_int(rank, "--rank", minimum=1),
         "layers": _check_layers(layers),
         "tokens": check_int(tokens, "--tokens", minimum=1),
-        "seq_len": _check_seq_len(seq_len),
+        "seq_len": check_seq_len(seq_len, "--seq-len"),
         "batch_size": check_int(batch_size, "--batch-size", minimum=1),
         "n_controls": check_int(n_controls, "--n-controls", minimum=1),
     }
