@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .batches import draw_masked
 from .checkpoints import METADATA_FILE, quiet_transformers
 from .corpus import encode, load_lines, token_batches
 from .errors import CorruptFileError, UsageError
@@ -300,10 +301,8 @@ def _inputs(config: TrainConfig, x: Tensor, mask_id: int | None, key: str) -> di
     draw the same masks; its generator is its own, apart from the dropout RNG."""
     if config.objective == "causal":
         return {"input_ids": x, "labels": x}
-    gen = torch.Generator().manual_seed(zlib.crc32(f"mask {config.seed} {key}".encode()))
-    draw = torch.rand(x.shape, generator=gen)
-    chosen = draw < MASK_RATE
-    chosen[torch.arange(x.shape[0]), draw.argmin(1)] = True
+    everywhere = torch.ones(x.shape, dtype=torch.bool)
+    chosen = draw_masked(everywhere, MASK_RATE, zlib.crc32(f"mask {config.seed} {key}".encode()))
     return {"input_ids": x.masked_fill(chosen, mask_id), "labels": x.masked_fill(~chosen, -100)}
 
 

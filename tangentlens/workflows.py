@@ -23,6 +23,7 @@ import pandas as pd
 from torch import Tensor
 
 from . import results
+from .batches import check_tokens, context_length
 from .corpus import encode, load_lines
 from .distributed import run_probe
 from .errors import MissingFileError, UsageError
@@ -98,36 +99,13 @@ def token_blocks(
     return ids[: n_blocks * seq_len].view(n_blocks, seq_len)
 
 
-def context_length(model: Any) -> int | None:
-    """The longest sequence the model takes (TransformerLens ``cfg.n_ctx`` or HF config)."""
-    cfg = getattr(model, "cfg", None)
-    if getattr(cfg, "n_ctx", None):
-        return int(cfg.n_ctx)
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return int(limit) if limit else None
-
-
-def _vocab_size(model: Any) -> int | None:
-    """The model's vocabulary (TransformerLens ``cfg.d_vocab`` or HF ``config.vocab_size``)."""
-    size = getattr(getattr(model, "cfg", None), "d_vocab", None)
-    size = size or getattr(getattr(model, "config", None), "vocab_size", None)
-    return int(size) if size else None
-
-
-def _check_tokens(model: Any, blocks: Any) -> None:
-    """Token blocks must be integer ids inside the model's vocabulary (an id outside it
-    fails deep inside the embedding as an IndexError)."""
+def _check_blocks(model: Any, blocks: Any) -> None:
+    """Token blocks: an integer ``(n, seq_len)`` tensor the model takes (`check_tokens`)."""
     if not isinstance(blocks, Tensor) or blocks.ndim != 2 or blocks.is_floating_point():
         raise UsageError(
             "blocks must be a (n, seq_len) tensor of token ids; tokenize with token_blocks()."
         )
-    vocab = _vocab_size(model)
-    low, high = int(blocks.min()), int(blocks.max())
-    if low < 0 or (vocab is not None and high >= vocab):
-        raise UsageError(
-            f"token ids run from {low} to {high}, outside the model's vocabulary [0, {vocab}); "
-            "tokenize the text with this model's tokenizer."
-        )
+    check_tokens(model, blocks)
 
 
 def _load_model(name: str, backend: str) -> Any:
@@ -152,7 +130,7 @@ def probe_checkpoint(
     """Fit rank-``rank`` bases (resid_pre and attention input) on the first half of
     ``blocks`` and probe the second half; returns ``(results, bases)``."""
     check_rank(rank, get_backend(model).d_model, "normal", name="--rank")
-    _check_tokens(model, blocks)
+    _check_blocks(model, blocks)
     half = blocks.shape[0] // 2
     fit_set = list(blocks[:half].split(batch_size))
     per_process = -(-(blocks.shape[0] - half) // world_size)  # every process gets a batch

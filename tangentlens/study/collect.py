@@ -23,6 +23,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .. import corpus
+from ..batches import check_tokens
 from ..distributed import all_reduce_session, check_parent, shard
 from ..errors import CorruptFileError, UsageError
 from ..files import check_safetensors, config_digest, load_tensors, save_tensors, tensor_hash
@@ -263,18 +264,13 @@ def _collect_one(
     backend = get_backend(model)
     d, n_layers = backend.d_model, backend.n_layers
     cfg.check_ranks(d)
-    n_ctx = getattr(loaded.model.config, "max_position_embeddings", None)
-    if n_ctx is not None and tokens.shape[1] > n_ctx:
-        raise UsageError(
-            f"seq_len={tokens.shape[1]} exceeds the model's {n_ctx} positions; lower seq_len."
-        )
-    n_vocab = loaded.model.get_input_embeddings().weight.shape[0]
-    if int(tokens.max()) >= n_vocab:
-        raise UsageError(
-            f"the probe set holds token id {int(tokens.max())}, outside the {n_vocab}-token "
-            f"vocabulary of {series[i].source}: the tokenizer does not fit the model; save "
-            "the model's own tokenizer with the checkpoints."
-        )
+    check_tokens(
+        loaded.model,
+        tokens,
+        source=series[i].source,
+        fix="the tokenizer does not fit the model; save the model's own tokenizer with the "
+        "checkpoints",
+    )
     available = set(backend.sites())
     sites = [s for s in _study_sites(cfg.sites, n_layers) if s in available]
     writes = (
