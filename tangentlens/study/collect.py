@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -31,6 +30,7 @@ from ..hooks.base import get_backend
 from ..hooks.huggingface import is_causal
 from ..hooks.sites import INPUT_KINDS, WRITE_KINDS, Site
 from ..models import quiet_transformers
+from ..probes.activation import FixedSample
 from ..probes.base import Observation, Probe
 from ..probes.driver import lm_loss, masked_positions, mlm_loss, run
 from ..probes.weight_gradient import WeightGradientProbe
@@ -153,32 +153,6 @@ def stale_parts(cfg: StudyConfig, series: Any, out: Path, tokens: Tensor) -> lis
     return todo
 
 
-class _TokenSample:
-    """Activations of a fixed, seeded set of probe tokens (uniform without replacement),
-    for TwoNN. Unlike a streaming reservoir it does not depend on how the tokens are split
-    across batches or processes: each row is written by the one pass that holds its token."""
-
-    def __init__(self, cfg: StudyConfig, shape: tuple[int, int], sites: list[Site], d: int):
-        n_seq, seq_len = shape
-        size = min(cfg.reservoir, n_seq * seq_len)
-        rng = np.random.default_rng(cfg.seed)
-        flat = torch.as_tensor(np.sort(rng.choice(n_seq * seq_len, size=size, replace=False)))
-        self.seq, self.pos = flat // seq_len, flat % seq_len
-        self.buffers = {s: torch.zeros(size, d) for s in sites} if size else {}
-        self.start = 0  # first probe sequence of the batch being run
-
-    def hook(self, site: Site) -> Any:
-        buffer = self.buffers[site]
-
-        def fn(x: Tensor) -> None:
-            sel = (self.seq >= self.start) & (self.seq < self.start + x.shape[0])
-            if bool(sel.any()):
-                rows = x.detach()[self.seq[sel] - self.start, self.pos[sel]]
-                buffer[sel] = rows.to("cpu", torch.float32)
-
-        return fn
-
-
 def check_parts_match(series: Any, parts: dict[int, Any]) -> None:
     """A resumed part must come from the weights the checkpoint holds now (checked where
     the checkpoint records its weights hash, as the trainer's do)."""
@@ -279,7 +253,7 @@ def _collect_one(
     writes = [s for s in writes if s in available]
     batches = list(enumerate(tokens.split(cfg.batch_size)))  # (global batch index, batch)
     mine = shard(batches, rank, world_size)
-    sample = _TokenSample(cfg, tokens.shape, sites, d)
+    sample = FixedSample(cfg.reservoir, cfg.seed, tokens.shape, sites, d)
     nll = torch.zeros(1, dtype=torch.float64)
     n_predicted = torch.zeros(1, dtype=torch.float64)
     # decoders: the summed next-token loss; encoders: the summed masked-token loss
