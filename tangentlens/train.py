@@ -259,34 +259,31 @@ def _new_model(config: TrainConfig, tokenizer: Any) -> Any:
     from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
     special = tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN)
-    if config.objective == "masked":
-        # mask_token_id in the config too: a model wrapped without its tokenizer (nnsight)
-        # still finds it for loss="mlm"
-        return BertForMaskedLM(
-            BertConfig(
-                vocab_size=len(tokenizer),
-                hidden_size=config.d_model,
-                intermediate_size=config.d_mlp,
-                num_hidden_layers=config.n_layers,
-                num_attention_heads=config.n_heads,
-                max_position_embeddings=config.seq_len,
-                hidden_dropout_prob=config.dropout,
-                attention_probs_dropout_prob=config.dropout,
-                tie_word_embeddings=config.tie_embeddings,
-                pad_token_id=special,
-                mask_token_id=tokenizer.mask_token_id,
-            )
-        )
-    llama = LlamaConfig(
+    shape = dict(  # what both architectures read from the config alike
         vocab_size=len(tokenizer),
         hidden_size=config.d_model,
         intermediate_size=config.d_mlp,
         num_hidden_layers=config.n_layers,
         num_attention_heads=config.n_heads,
-        num_key_value_heads=config.n_kv_heads,
         max_position_embeddings=config.seq_len,
-        attention_dropout=config.dropout,
         tie_word_embeddings=config.tie_embeddings,
+    )
+    if config.objective == "masked":
+        # mask_token_id in the config too: a model wrapped without its tokenizer (nnsight)
+        # still finds it for loss="mlm"
+        return BertForMaskedLM(
+            BertConfig(
+                **shape,
+                hidden_dropout_prob=config.dropout,
+                attention_probs_dropout_prob=config.dropout,
+                pad_token_id=special,
+                mask_token_id=tokenizer.mask_token_id,
+            )
+        )
+    llama = LlamaConfig(
+        **shape,
+        num_key_value_heads=config.n_kv_heads,
+        attention_dropout=config.dropout,
         bos_token_id=special,
         eos_token_id=special,
         pad_token_id=special,
