@@ -24,7 +24,16 @@ from torch import Tensor
 from .errors import UsageError
 from .validation import check_int
 
-__all__ = ["as_batches", "iter_batches", "text_batches", "unpack_batch"]
+__all__ = [
+    "as_batches",
+    "check_tokens",
+    "context_length",
+    "draw_masked",
+    "iter_batches",
+    "text_batches",
+    "unpack_batch",
+    "vocabulary_size",
+]
 
 
 def unpack_batch(batch: Any) -> tuple[Tensor, Tensor | None]:
@@ -146,3 +155,61 @@ def _tokenizer(model: Any) -> Any:
             "or text_batches(tokenizer, texts)."
         )
     return tokenizer
+
+
+# ----------------------------------------------------------- what the model takes
+def vocabulary_size(model: Any) -> int | None:
+    """How many token ids the model embeds: TransformerLens ``cfg.d_vocab``, else a
+    Hugging Face ``config.vocab_size``; None when the model says neither."""
+    size = getattr(getattr(model, "cfg", None), "d_vocab", None)
+    size = size or getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if size else None
+
+
+def context_length(model: Any) -> int | None:
+    """The longest sequence the model takes: TransformerLens ``cfg.n_ctx``, else a Hugging
+    Face ``config.max_position_embeddings``; None when the model says neither."""
+    size = getattr(getattr(model, "cfg", None), "n_ctx", None)
+    size = size or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(size) if size else None
+
+
+def check_tokens(
+    model: Any,
+    ids: Tensor,
+    *,
+    source: str = "the model",
+    fix: str = "tokenize the text with this model's tokenizer",
+) -> None:
+    """Token ids ``(..., seq_len)`` must lie in the model's vocabulary and each sequence
+    within its context, checked before any pass: past either, the model fails deep inside
+    (an IndexError in an embedding) or, with rotary positions, runs on silently.
+    ``source`` names the model in the message, ``fix`` says what to do about foreign ids."""
+    vocab = vocabulary_size(model)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        raise UsageError(
+            f"token ids run from {low} to {high}, outside the vocabulary [0, {vocab}) of "
+            f"{source}: {fix}."
+        )
+    context = context_length(model)
+    if context is not None and ids.shape[-1] > context:
+        raise UsageError(
+            f"seq_len={ids.shape[-1]} exceeds the {context} positions of {source}; lower seq_len."
+        )
+
+
+def draw_masked(eligible: Tensor, rate: float, seed: int) -> Tensor:
+    """Which positions a masked-LM objective masks and predicts, ``eligible``'s shape
+    ``(batch, pos)`` bool: each eligible position with probability ``rate``, and in every
+    row with an eligible position at least one (its lowest draw), so no sequence adds
+    nothing to the loss. The draws come from a generator of their own seeded with
+    ``seed``: the same seed masks the same positions on every backend, rerun and resume,
+    whatever else has drawn random numbers."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = torch.rand(eligible.shape, generator=gen)
+    chosen = eligible & (draw < rate)
+    first = torch.where(eligible, draw, 2.0).argmin(1)  # each row's lowest eligible draw
+    rows = eligible.any(1) & ~chosen.any(1)
+    chosen[rows, first[rows]] = True
+    return chosen

@@ -32,6 +32,7 @@ from . import models
 from .errors import CorruptFileError, MissingFileError, UsageError
 from .files import check_safetensors, tensor_hash
 from .models import TOKENIZER_FILES, check_model_folder, quiet_transformers
+from .validation import check_window_fraction
 
 __all__ = [
     "Checkpoint",
@@ -335,10 +336,7 @@ class CheckpointSeries:
         inclusive step ranges ``(lo, hi)`` override either one. Each window needs at
         least 2 checkpoints.
         """
-        if not 0.0 < fraction <= 0.5:
-            raise UsageError(
-                f"fraction must be in (0, 0.5] so the windows do not overlap; got {fraction}."
-            )
+        fraction = check_window_fraction(fraction, "fraction")
         if by not in ("step", "index"):
             raise UsageError(f"windows go by 'step' or 'index'; got {by!r}.")
         n = len(self)

@@ -27,7 +27,7 @@ from typing import NoReturn
 from . import __version__
 from .errors import CorruptFileError, UsageError
 from .settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY, TRAIN, Setting, shown
-from .validation import BACKENDS, CONTROLS
+from .validation import BACKENDS, CONTROLS, check_seq_len, check_window_fraction
 
 __all__ = ["build_parser", "main"]
 
@@ -76,14 +76,13 @@ def _seed(text: str) -> int:
 
 def _seq_len(text: str) -> int:
     try:
-        value = int(text)
+        value: object = int(text)
     except ValueError:
-        value = 0
-    if value < 2:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer >= 2 (one token has no next token to predict), got {text!r}"
-        )
-    return value
+        value = text  # no int at all: the rule refuses it too, with its own message
+    try:
+        return check_seq_len(value, "--seq-len")
+    except UsageError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _layer(text: str) -> int:
@@ -98,12 +97,13 @@ def _layer(text: str) -> int:
 
 def _fraction(text: str) -> float:
     try:
-        value = float(text)
+        value: object = float(text)
     except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 0.5:
-        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 0.5], got {text!r}")
-    return value
+        value = text  # no number at all: the rule refuses it too, with its own message
+    try:
+        return check_window_fraction(value, "--window-fraction")
+    except UsageError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _step_range(text: str) -> tuple[int, int]:

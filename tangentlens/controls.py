@@ -40,25 +40,43 @@ NULL_DTYPE = torch.float32
 the cost of float64 (the reduction and the tangent statistics stay float64)."""
 
 
-def draw_frames(dim: int, k: int, n: int, seed: int) -> Tensor:
-    """``(n, dim, k)`` orthonormal frames with uniformly random span, orthonormalised in
-    float64 and kept in float32 (`NULL_DTYPE`).
+def draw_frames(dim: int, k: int, n: int, seed: int, *, exact: bool = False) -> Tensor:
+    """``(n, dim, k)`` Haar-random orthonormal k-frames of R^dim, from ``seed``: the one
+    sampler of random matched-rank frames (the tests' controls here, and through
+    `tangentlens.subspace.normal_controls` / `uniform_controls` the attention probe's head
+    null and the interventions' null), so one seed means one set of frames everywhere.
 
-    Every statistic here depends on a frame's span only, so Cholesky-QR
-    (Z·L⁻ᵀ with LLᵀ = ZᵀZ) replaces Householder QR: the same span, at GEMM speed.
+    Each frame is Q = Z·R⁻¹ for a Gaussian Z = QR with R's diagonal positive (Haar).
+    By default Cholesky-QR (Z·L⁻ᵀ with LLᵀ = ZᵀZ) forms it in float64 at GEMM speed and
+    keeps it in float32 (`NULL_DTYPE`): every statistic of the tests depends on a frame's
+    span only. ``exact=True`` forms the same Q with Householder QR and keeps it in
+    float64, orthonormal to rounding however ill-conditioned Z is: frames a caller uses
+    as a basis (`TangentBasis` checks orthonormality).
     """
     gen = torch.Generator().manual_seed(seed)
-    out = torch.empty(n, dim, k, dtype=NULL_DTYPE)
+    out = torch.empty(n, dim, k, dtype=torch.float64 if exact else NULL_DTYPE)
     for start in range(0, n, CHUNK):
         # float32 draws (4x faster than float64 here)
         z = torch.randn(min(CHUNK, n - start), dim, k, generator=gen).double()
-        chol, info = torch.linalg.cholesky_ex(z.mT @ z)
-        if bool(info.any()):  # numerically rank-deficient draw: fall back to Householder
-            q = torch.linalg.qr(z).Q
+        if exact:
+            q = _householder_q(z)
         else:
-            q = torch.linalg.solve_triangular(chol.mT, z, upper=True, left=False)
+            chol, info = torch.linalg.cholesky_ex(z.mT @ z)
+            if bool(info.any()):  # numerically rank-deficient draw: fall back to Householder
+                q = torch.linalg.qr(z).Q
+            else:
+                q = torch.linalg.solve_triangular(chol.mT, z, upper=True, left=False)
         out[start : start + q.shape[0]] = q
     return out
+
+
+def _householder_q(z: Tensor) -> Tensor:
+    """Z's Q factor with R's diagonal made positive: the QR sign ambiguity fixed, so the
+    frame is Haar and equals Cholesky-QR's."""
+    q, r = torch.linalg.qr(z)
+    signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
+    signs[signs == 0] = 1
+    return q * signs.unsqueeze(-2)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .errors import MissingFileError, UsageError
 from .files import read_text_file
+from .validation import check_seq_len
 
 __all__ = [
     "TokenBatches",
@@ -203,8 +204,7 @@ def token_batches(
     ids: Tensor | None = None,
 ) -> TokenBatches:
     """Cut the tokenised corpus (or given ``ids``) into blocks and split them train/probe."""
-    if seq_len < 2:
-        raise UsageError(f"seq_len must be at least 2; got {seq_len}.")
+    seq_len = check_seq_len(seq_len)
     if not 0.0 < probe_fraction < 1.0:
         raise UsageError(f"probe_fraction must be in (0, 1); got {probe_fraction}.")
     if ids is None:

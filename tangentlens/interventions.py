@@ -103,9 +103,8 @@ def _effect_rows(
         "z": (effect - mean) / std if std and math.isfinite(std) and std > 0 else math.nan,
         "p_value": p,
     }
-    where = {"probe": "intervention", "hook": site.hook_name, "site": site.kind}
     return [
-        {**where, "layer": site.layer, "head": head, "component": part, "statistic": k, "value": v}
+        results.row("intervention", site, k, v, component=part, head=head)
         for k, v in values.items()
     ]
 

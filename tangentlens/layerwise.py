@@ -176,14 +176,12 @@ def layerwise_probe(
         tangent, normal = by_site[s].split(x)
         parts = {"full": x, "tangent": tangent, "normal": normal}
         chance = float(np.bincount(y).max() / len(y))
-        base = {"probe": "linear", "hook": s.hook_name, "site": s.kind, "layer": s.layer}
-        rows.append({**base, "component": "full", "statistic": "chance_accuracy", "value": chance})
+        rows.append(results.row("linear", s, "chance_accuracy", chance, component="full"))
         for name in COMPONENTS:
             mean, low, high = _cross_validated(parts[name].numpy(), y, groups, n_folds, seed)
             rows.append(
-                {**base, "component": name, "statistic": "accuracy", "value": mean,
-                 "ci_low": low, "ci_high": high}
-            )  # fmt: skip
+                results.row("linear", s, "accuracy", mean, component=name, ci_low=low, ci_high=high)
+            )
     return results.frame(rows)
 
 

@@ -46,7 +46,7 @@ from . import catalogue
 from .errors import CorruptFileError, MissingFileError, UsageError
 from .files import write_text
 
-__all__ = ["COLUMNS", "CORE", "frame", "read", "select", "write"]
+__all__ = ["COLUMNS", "CORE", "frame", "read", "row", "select", "write"]
 
 COLUMNS = (
     "tag",
@@ -260,3 +260,25 @@ def select(table: pd.DataFrame, *, names_filter: NamesFilter = None, **where: An
             match |= table[col].isna() if v is None else (table[col] == v).fillna(False)
         keep &= match
     return table[keep.astype(bool)]
+
+
+_WHERE = ("hook", "site", "layer", "head")
+
+
+def row(probe: str, site: Any, statistic: str, value: Any, **extra: Any) -> dict[str, Any]:
+    """One row of the schema: the probe, where it was measured, the statistic and its
+    value, then ``extra`` columns (``rank``, ``component``, ``ci_low`` ...; an extra
+    ``head`` names a head of a site that has none).
+
+    ``site`` is a `tangentlens.hooks.Site` (anything with ``hook_name``, ``kind``,
+    ``layer`` and ``head``: this floor cannot import the hooks) or None for a statistic of
+    no one site. Every writer of rows builds them here, so a site's four columns are
+    filled the same way in a probe's table, a study's and an intervention's."""
+    where = (None,) * 4 if site is None else (site.hook_name, site.kind, site.layer, site.head)
+    return {
+        "probe": probe,
+        **dict(zip(_WHERE, where, strict=True)),
+        "statistic": statistic,
+        "value": value,
+        **extra,
+    }

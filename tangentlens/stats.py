@@ -32,7 +32,7 @@ The sum and the uncentred Gram matrix are derived on demand, so every use
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -260,6 +260,16 @@ class Moments:
             raise UsageError(f"cannot merge Moments with d={other.d} into d={self.d}.")
         self._combine(other._n, other._mean.to(self._device), other._scatter64().to(self._device))
         return self
+
+    @classmethod
+    def merged(cls, parts: Iterable[Moments], *, dtype: torch.dtype = torch.float64) -> Moments:
+        """New Moments holding the merge of ``parts`` in order (none: empty). A fresh
+        object, so callers that pool groups, halves or checkpoints never fold into, and
+        so alter, one of the parts they were handed."""
+        out = cls(dtype=dtype)
+        for part in parts:
+            out.merge(part)
+        return out
 
     def remove(self, other: Moments) -> Moments:
         """Take the sub-stream ``other`` back out of ``self`` (Chan's formula inverted) and

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .compute import top_eigh
+from .controls import draw_frames
 from .errors import CorruptFileError, UsageError
 from .files import load_tensors, save_tensors
 from .stats import Moments
@@ -292,22 +293,14 @@ def _basis_q(basis: TangentBasis | Tensor) -> Tensor:
     return basis.basis_ if isinstance(basis, TangentBasis) else _check_orthonormal(basis, "basis")
 
 
-def _random_frames(n: int, d: int, k: int, generator: torch.Generator) -> Tensor:
-    g = torch.randn(n, d, k, generator=generator, dtype=torch.float64)
-    q, r = torch.linalg.qr(g)
-    # Haar measure: fix the QR sign ambiguity with the sign of diag(R).
-    signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
-    signs[signs == 0] = 1
-    return q * signs.unsqueeze(-2)
-
-
 def normal_controls(
     basis: TangentBasis | Tensor, n: int, seed: int = 0, rank: int | None = None
 ) -> Tensor:
     """``(n, d, k)`` uniformly random orthonormal k-frames in the complement of Q_T.
 
-    Gaussian frames are drawn in the coordinates of a fixed complement basis, so
-    they are orthogonal to Q_T by construction; reproducible from ``seed``.
+    Frames are drawn (`controls.draw_frames`, float64) in the coordinates of a fixed
+    complement basis, so they are orthogonal to Q_T by construction; reproducible from
+    ``seed``.
     """
     q = _basis_q(basis)
     d, k = q.shape
@@ -318,8 +311,7 @@ def normal_controls(
             f"a control of rank {k} does not fit in the {d - q.shape[1]}-dim complement; "
             "use a smaller basis rank."
         )
-    gen = torch.Generator().manual_seed(int(seed))
-    frames = _random_frames(n, d - q.shape[1], k, gen)
+    frames = draw_frames(d - q.shape[1], k, n, int(seed), exact=True)
     # complement(q) @ frames without forming the complement: Q_T's Householder Q applied
     # to the frames below k zero rows (the same numbers, at O(d·k·n·k) instead of O(d³))
     a, tau = torch.geqrf(q)
@@ -329,12 +321,12 @@ def normal_controls(
 
 
 def uniform_controls(d: int, k: int, n: int, seed: int = 0) -> Tensor:
-    """``(n, d, k)`` orthonormal k-frames drawn uniformly (Haar) from the whole space."""
+    """``(n, d, k)`` orthonormal k-frames drawn uniformly (Haar, `controls.draw_frames`,
+    float64) from the whole space."""
     check_int(n, "n (number of controls)", minimum=1)
     if not 1 <= check_int(k, "k") <= d:
         raise UsageError(f"rank k must be in [1, d={d}]; got {k}.")
-    gen = torch.Generator().manual_seed(int(seed))
-    return _random_frames(n, d, k, gen)
+    return draw_frames(d, k, n, int(seed), exact=True)
 
 
 # ------------------------------------------------------------- energy shares

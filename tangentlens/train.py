@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .batches import draw_masked
 from .checkpoints import METADATA_FILE, quiet_transformers
 from .corpus import encode, load_lines, token_batches
 from .errors import CorruptFileError, UsageError
@@ -47,7 +48,7 @@ from .files import (
     write_json,
 )
 from .settings import TRAIN
-from .validation import check_encoding, is_int
+from .validation import check_encoding, check_seq_len, is_int
 from .version import __version__
 
 __all__ = ["TrainConfig", "checkpoint_steps", "train"]
@@ -118,7 +119,6 @@ class TrainConfig:
             "n_heads",
             "n_kv_heads",
             "d_mlp",
-            "seq_len",
             "batch_size",
             "max_steps",
             "last_log_step",
@@ -131,6 +131,7 @@ class TrainConfig:
             if not is_int(value) or value < 1:
                 raise UsageError(f"TrainConfig.{name} must be a positive int; got {value!r}.")
             setattr(self, name, int(value))  # numpy ints too, as plain ints for JSON
+        self.seq_len = check_seq_len(self.seq_len, "TrainConfig.seq_len")
         for name in ("seed", "warmup_steps"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
@@ -258,34 +259,31 @@ def _new_model(config: TrainConfig, tokenizer: Any) -> Any:
     from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
     special = tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN)
-    if config.objective == "masked":
-        # mask_token_id in the config too: a model wrapped without its tokenizer (nnsight)
-        # still finds it for loss="mlm"
-        return BertForMaskedLM(
-            BertConfig(
-                vocab_size=len(tokenizer),
-                hidden_size=config.d_model,
-                intermediate_size=config.d_mlp,
-                num_hidden_layers=config.n_layers,
-                num_attention_heads=config.n_heads,
-                max_position_embeddings=config.seq_len,
-                hidden_dropout_prob=config.dropout,
-                attention_probs_dropout_prob=config.dropout,
-                tie_word_embeddings=config.tie_embeddings,
-                pad_token_id=special,
-                mask_token_id=tokenizer.mask_token_id,
-            )
-        )
-    llama = LlamaConfig(
+    shape = dict(  # what both architectures read from the config alike
         vocab_size=len(tokenizer),
         hidden_size=config.d_model,
         intermediate_size=config.d_mlp,
         num_hidden_layers=config.n_layers,
         num_attention_heads=config.n_heads,
-        num_key_value_heads=config.n_kv_heads,
         max_position_embeddings=config.seq_len,
-        attention_dropout=config.dropout,
         tie_word_embeddings=config.tie_embeddings,
+    )
+    if config.objective == "masked":
+        # mask_token_id in the config too: a model wrapped without its tokenizer (nnsight)
+        # still finds it for loss="mlm"
+        return BertForMaskedLM(
+            BertConfig(
+                **shape,
+                hidden_dropout_prob=config.dropout,
+                attention_probs_dropout_prob=config.dropout,
+                pad_token_id=special,
+                mask_token_id=tokenizer.mask_token_id,
+            )
+        )
+    llama = LlamaConfig(
+        **shape,
+        num_key_value_heads=config.n_kv_heads,
+        attention_dropout=config.dropout,
         bos_token_id=special,
         eos_token_id=special,
         pad_token_id=special,
@@ -300,10 +298,8 @@ def _inputs(config: TrainConfig, x: Tensor, mask_id: int | None, key: str) -> di
     draw the same masks; its generator is its own, apart from the dropout RNG."""
     if config.objective == "causal":
         return {"input_ids": x, "labels": x}
-    gen = torch.Generator().manual_seed(zlib.crc32(f"mask {config.seed} {key}".encode()))
-    draw = torch.rand(x.shape, generator=gen)
-    chosen = draw < MASK_RATE
-    chosen[torch.arange(x.shape[0]), draw.argmin(1)] = True
+    everywhere = torch.ones(x.shape, dtype=torch.bool)
+    chosen = draw_masked(everywhere, MASK_RATE, zlib.crc32(f"mask {config.seed} {key}".encode()))
     return {"input_ids": x.masked_fill(chosen, mask_id), "labels": x.masked_fill(~chosen, -100)}
 
 

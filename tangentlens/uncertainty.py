@@ -68,9 +68,7 @@ def _leave_one_out(groups: Sequence[Moments], name: str) -> tuple[Moments, list[
             raise TypeError(f"{name} must hold Moments; got {type(g).__name__}.")
         if g.count == 0:
             raise UsageError(f"{name} holds an empty group; give every group some sequences.")
-    total = Moments()
-    for g in groups:
-        total.merge(g)
+    total = Moments.merged(groups)
     return total, [total - g for g in groups]
 
 

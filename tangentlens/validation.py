@@ -20,6 +20,8 @@ __all__ = [
     "check_encoding",
     "check_int",
     "check_rank",
+    "check_seq_len",
+    "check_window_fraction",
     "is_int",
     "max_rank",
 ]
@@ -43,6 +45,31 @@ def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
         bound = "" if minimum is None else f" >= {minimum}"
         raise UsageError(f"{name} must be an int{bound}; got {value!r}.")
     return int(value)
+
+
+def check_seq_len(seq_len: Any, name: str = "seq_len") -> int:
+    """A sequence length of at least 2 tokens: a one-token sequence has no next token to
+    predict (no gradient) and no pair of tokens to attend, so every command, config and
+    data loader refuses it with this one message."""
+    if not is_int(seq_len) or seq_len < 2:
+        raise UsageError(
+            f"{name} must be an int >= 2; got {seq_len!r}: a one-token sequence has no "
+            "next token to predict (no gradient) and no pair of tokens to attend."
+        )
+    return int(seq_len)
+
+
+def check_window_fraction(fraction: Any, name: str = "window fraction") -> float:
+    """The share of training each of the early and late windows takes, in (0, 0.5]: above
+    one half the two windows would overlap and late − early would compare a checkpoint
+    with itself."""
+    real = isinstance(fraction, numbers.Real) and not isinstance(fraction, bool)
+    if not real or not 0.0 < fraction <= 0.5:
+        raise UsageError(
+            f"{name} must be a number in (0, 0.5] so the early and late windows do not "
+            f"overlap; got {fraction!r}."
+        )
+    return float(fraction)
 
 
 def check_controls(controls: Any) -> str:

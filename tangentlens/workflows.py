@@ -23,6 +23,7 @@ import pandas as pd
 from torch import Tensor
 
 from . import results
+from .batches import check_tokens, context_length
 from .corpus import encode, load_lines
 from .distributed import run_probe
 from .errors import MissingFileError, UsageError
@@ -39,7 +40,14 @@ from .report.verdicts import paper_claims
 from .settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY
 from .study import Study, StudyConfig
 from .train import TrainConfig, train
-from .validation import check_backend, check_encoding, check_int, check_rank, is_int
+from .validation import (
+    check_backend,
+    check_encoding,
+    check_int,
+    check_rank,
+    check_seq_len,
+    is_int,
+)
 from .version import __version__
 
 __all__ = [
@@ -76,20 +84,11 @@ def _local(path: str | None) -> str | None:
     return str(Path(path).expanduser().resolve())
 
 
-def _check_seq_len(seq_len: Any) -> int:
-    if not is_int(seq_len) or seq_len < 2:
-        raise UsageError(
-            f"--seq-len must be an int >= 2; got {seq_len!r}: a one-token sequence has no "
-            "next token to predict (no gradient) and no pair of tokens to attend."
-        )
-    return int(seq_len)
-
-
 def token_blocks(
     tokenizer: Any, text: str | None, tokens: int, seq_len: int, encoding: str = "utf-8"
 ) -> Tensor:
     """``(n, seq_len)`` token blocks: ``2 * tokens`` tokens of the text (or the KJV)."""
-    seq_len = _check_seq_len(seq_len)
+    seq_len = check_seq_len(seq_len, "--seq-len")
     lines = load_lines(text, max(20_000, 12 * 2 * tokens), encoding)
     ids = encode(tokenizer, lines)
     n_blocks = min(ids.numel() // seq_len, 2 * max(1, tokens // seq_len))
@@ -101,36 +100,13 @@ def token_blocks(
     return ids[: n_blocks * seq_len].view(n_blocks, seq_len)
 
 
-def context_length(model: Any) -> int | None:
-    """The longest sequence the model takes (TransformerLens ``cfg.n_ctx`` or HF config)."""
-    cfg = getattr(model, "cfg", None)
-    if getattr(cfg, "n_ctx", None):
-        return int(cfg.n_ctx)
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return int(limit) if limit else None
-
-
-def _vocab_size(model: Any) -> int | None:
-    """The model's vocabulary (TransformerLens ``cfg.d_vocab`` or HF ``config.vocab_size``)."""
-    size = getattr(getattr(model, "cfg", None), "d_vocab", None)
-    size = size or getattr(getattr(model, "config", None), "vocab_size", None)
-    return int(size) if size else None
-
-
-def _check_tokens(model: Any, blocks: Any) -> None:
-    """Token blocks must be integer ids inside the model's vocabulary (an id outside it
-    fails deep inside the embedding as an IndexError)."""
+def _check_blocks(model: Any, blocks: Any) -> None:
+    """Token blocks: an integer ``(n, seq_len)`` tensor the model takes (`check_tokens`)."""
     if not isinstance(blocks, Tensor) or blocks.ndim != 2 or blocks.is_floating_point():
         raise UsageError(
             "blocks must be a (n, seq_len) tensor of token ids; tokenize with token_blocks()."
         )
-    vocab = _vocab_size(model)
-    low, high = int(blocks.min()), int(blocks.max())
-    if low < 0 or (vocab is not None and high >= vocab):
-        raise UsageError(
-            f"token ids run from {low} to {high}, outside the model's vocabulary [0, {vocab}); "
-            "tokenize the text with this model's tokenizer."
-        )
+    check_tokens(model, blocks)
 
 
 def _load_model(name: str, backend: str) -> Any:
@@ -155,7 +131,7 @@ def probe_checkpoint(
     """Fit rank-``rank`` bases (resid_pre and attention input) on the first half of
     ``blocks`` and probe the second half; returns ``(results, bases)``."""
     check_rank(rank, get_backend(model).d_model, "normal", name="--rank")
-    _check_tokens(model, blocks)
+    _check_blocks(model, blocks)
     half = blocks.shape[0] // 2
     fit_set = list(blocks[:half].split(batch_size))
     per_process = -(-(blocks.shape[0] - half) // world_size)  # every process gets a batch
@@ -203,7 +179,7 @@ def probe_model(
         "rank": check_int(rank, "--rank", minimum=1),
         "layers": _check_layers(layers),
         "tokens": check_int(tokens, "--tokens", minimum=1),
-        "seq_len": _check_seq_len(seq_len),
+        "seq_len": check_seq_len(seq_len, "--seq-len"),
         "batch_size": check_int(batch_size, "--batch-size", minimum=1),
         "n_controls": check_int(n_controls, "--n-controls", minimum=1),
     }

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pandas as pd
 import pytest
 import torch
 from models import tl_bridge
 
 import tangentlens
-from tangentlens.batches import as_batches, iter_batches, text_batches, unpack_batch
+from tangentlens.batches import (
+    as_batches,
+    check_tokens,
+    draw_masked,
+    iter_batches,
+    text_batches,
+    unpack_batch,
+)
 from tangentlens.errors import UsageError
 
 TEXTS = [
@@ -96,3 +105,33 @@ def test_padded_text_counts_only_real_tokens():
     session = tangentlens.probes.run(model, TEXTS, bases, ("residual",), progress=False)
     counts = _table(session).query("statistic == 'n_tokens' and probe == 'residual'")["value"]
     assert (counts == sum(len(tok(t)["input_ids"]) for t in TEXTS)).all()
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        SimpleNamespace(cfg=SimpleNamespace(d_vocab=10, n_ctx=4)),
+        SimpleNamespace(config=SimpleNamespace(vocab_size=10, max_position_embeddings=4)),
+    ],
+    ids=["transformer_lens", "huggingface"],
+)
+def test_check_tokens_refuses_foreign_ids_and_sequences_past_the_context(model) -> None:
+    check_tokens(model, torch.tensor([[0, 9, 3, 1]]))
+    with pytest.raises(UsageError, match=r"from 0 to 10, outside the vocabulary \[0, 10\)"):
+        check_tokens(model, torch.tensor([[0, 10]]))
+    with pytest.raises(UsageError, match="from -1 to 0"):
+        check_tokens(model, torch.tensor([[-1, 0]]))
+    with pytest.raises(UsageError, match="seq_len=5 exceeds the 4 positions of ckpt"):
+        check_tokens(model, torch.zeros(2, 5, dtype=torch.long), source="ckpt")
+    check_tokens(SimpleNamespace(), torch.tensor([[10**6] * 9]))  # a model that says nothing
+
+
+def test_draw_masked_masks_only_eligible_positions_and_at_least_one_per_row() -> None:
+    eligible = torch.ones(64, 12, dtype=torch.bool)
+    eligible[:, :2] = False
+    eligible[-1] = False
+    chosen = draw_masked(eligible, 0.15, seed=7)
+    assert not (chosen & ~eligible).any()
+    assert chosen[:-1].any(1).all() and not chosen[-1].any()
+    assert torch.equal(chosen, draw_masked(eligible, 0.15, seed=7))
+    assert not torch.equal(chosen, draw_masked(eligible, 0.15, seed=8))

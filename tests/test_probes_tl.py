@@ -13,7 +13,7 @@ from torch import Tensor
 from tangentlens.depth import DepthProfile
 from tangentlens.hooks import Site, get_backend
 from tangentlens.probes import BasisSet, fit_bases, lm_loss, probe, run
-from tangentlens.probes.activation import Reservoir
+from tangentlens.probes.activation import FixedSample, Reservoir
 from tangentlens.probes.base import first_equal
 from tangentlens.subspace import TangentBasis
 
@@ -189,6 +189,20 @@ def test_reservoir_is_uniform_bounded_and_split_invariant() -> None:
     assert torch.equal(one.sample(), many.sample())
     assert one.sample().shape == (100, 2) and one.seen == 3000
     assert 1000 < one.sample()[:, 0].mean() < 2000  # uniform over the stream, not a prefix
+
+
+def test_fixed_sample_is_the_same_whatever_the_batches_and_their_order() -> None:
+    site, (n_seq, seq_len) = Site(0, "resid_pre"), (12, 5)
+    x = torch.arange(n_seq * seq_len, dtype=torch.float32).view(n_seq, seq_len, 1)
+    whole = FixedSample(20, 3, (n_seq, seq_len), [site], 1)
+    whole.hook(site)(x)
+    split = FixedSample(20, 3, (n_seq, seq_len), [site], 1)
+    for start in (8, 0, 4):  # any batches, in any order (other processes, resumed parts)
+        split.start = start
+        split.hook(site)(x[start : start + 4])
+    assert torch.equal(whole.buffers[site], split.buffers[site])
+    picked = whole.buffers[site][:, 0].long()
+    assert torch.equal(picked, whole.seq * seq_len + whole.pos) and picked.unique().numel() == 20
 
 
 # ------------------------------------------------------------------ gradients

@@ -48,9 +48,9 @@ def test_streaming_equals_one_shot(n, d, cuts, seed):
 def test_merge_equals_single_pass(shards, seed):
     gen = torch.Generator().manual_seed(seed)
     parts = [torch.randn(s, 4, generator=gen, dtype=torch.float64) + 10 for s in shards]
-    merged = Moments()
-    for p in parts:
-        merged.merge(Moments(d=4).update(p))
+    pieces = [Moments(d=4).update(p) for p in parts]
+    merged = Moments.merged(pieces)
+    assert all(m.count == len(p) for m, p in zip(pieces, parts, strict=True))  # untouched
     whole = Moments(d=4).update(torch.cat(parts))
     assert merged.count == whole.count
     if whole.count:

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tangentlens.controls import draw_frames
 from tangentlens.errors import CorruptFileError, UsageError
 from tangentlens.files import save_tensors
 from tangentlens.stats import Moments
@@ -85,6 +86,8 @@ def test_controls_orthonormal_and_orthogonal(d, seed, n):
     torch.testing.assert_close(normal_controls(b, n, seed=seed), c)  # reproducible
     u = uniform_controls(d, k, n, seed=seed)
     torch.testing.assert_close(u.transpose(1, 2) @ u, eye.expand(n, k, k), atol=1e-12, rtol=0)
+    # one sampler: the tests' float32 controls are these frames, rounded
+    torch.testing.assert_close(draw_frames(d, k, n, seed), u.float(), atol=1e-5, rtol=0)
 
 
 def test_complement_spans_the_rest():

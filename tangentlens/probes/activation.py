@@ -1,9 +1,19 @@
 """Activation probe: `Moments` per site (to fit Q_T) and a bounded, seeded reservoir
 sample of activation vectors (for TwoNN and other point-cloud metrics).
 
-The reservoir is Vitter's algorithm R driven by a numpy PCG64 stream of one draw per
-token, so the sample depends on the seed and the token order only, not on how the
-tokens are split into batches. Memory: ``size × d`` per site, whatever the stream length.
+The token samples for TwoNN live here, and there are two on purpose:
+
+- `Reservoir` samples a stream of unknown length: Vitter's algorithm R driven by a numpy
+  PCG64 stream of one draw per token, so the sample depends on the seed and the token
+  order only, not on how the tokens are split into batches. It is one process's sample
+  (not part of a probe's mergeable state). The probe and the linear probes use it.
+- `FixedSample` samples a token set known in advance (a study's probe set): its
+  positions are drawn up front, uniformly without replacement, and each row is written by
+  the pass that holds its token, so the sample is the same however the set is split over
+  batches, processes or resumed checkpoints: what a study's per-checkpoint parts need to
+  be comparable and mergeable. A reservoir cannot promise that across processes.
+
+Memory: ``size × d`` float32 per site for either, whatever the number of tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from .base import Observation, Probe, row
 from .bases import site_order
 from .registry import Plan, ProbeSpec, register
 
-__all__ = ["ActivationProbe", "Reservoir"]
+__all__ = ["ActivationProbe", "FixedSample", "Reservoir"]
 
 
 class Reservoir:
@@ -81,6 +91,36 @@ class Reservoir:
         if self._tags is None:
             raise UsageError("this reservoir was fed without tags.")
         return self._tags[: min(self.size, self.seen)].clone()
+
+
+class FixedSample:
+    """Activations of ``min(size, n_seq · seq_len)`` probe tokens of an ``(n_seq, seq_len)``
+    set, drawn from ``seed`` uniformly without replacement before any pass (see the module
+    for why this and not a `Reservoir`). ``hook(site)`` fills ``buffers[site]``; set
+    ``start`` to the first sequence of each batch before running it. ``seq`` / ``pos``: the
+    sampled tokens' sequence and position, in order."""
+
+    def __init__(
+        self, size: int, seed: int, shape: tuple[int, int], sites: list[Site], d: int
+    ) -> None:
+        n_seq, seq_len = shape
+        size = min(size, n_seq * seq_len)
+        rng = np.random.default_rng(seed)
+        flat = torch.as_tensor(np.sort(rng.choice(n_seq * seq_len, size=size, replace=False)))
+        self.seq, self.pos = flat // seq_len, flat % seq_len
+        self.buffers = {s: torch.zeros(size, d) for s in sites} if size else {}
+        self.start = 0  # first probe sequence of the batch being run
+
+    def hook(self, site: Site) -> Any:
+        buffer = self.buffers[site]
+
+        def fn(x: Tensor) -> None:
+            sel = (self.seq >= self.start) & (self.seq < self.start + x.shape[0])
+            if bool(sel.any()):
+                rows = x.detach()[self.seq[sel] - self.start, self.pos[sel]]
+                buffer[sel] = rows.to("cpu", torch.float32)
+
+        return fn
 
 
 class ActivationProbe(Probe):

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from ..errors import CorruptFileError, UsageError
 from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
+from ..results import row  # the probes' row builder, here beside the protocol they follow
 from ..stats import Moments, SharedBatch
 
 __all__ = [
@@ -67,20 +68,6 @@ class Observation:
         """(count, mean, centred scatter) of the kept rows, float64; with ``fast`` the
         scatter's product is formed in `stats.gram_dtype` (float32 for float32 inputs)."""
         return self.cache(self.tensor, self.mask, fast=self.fast)
-
-
-def row(probe: str, site: Site, statistic: str, value: float, **extra: Any) -> dict[str, Any]:
-    """One results row (schema: `tangentlens.results`)."""
-    return {
-        "probe": probe,
-        "hook": site.hook_name,
-        "site": site.kind,
-        "layer": site.layer,
-        "head": site.head,
-        "statistic": statistic,
-        "value": value,
-        **extra,
-    }
 
 
 def ci_columns(interval: tuple[float, float] | None) -> dict[str, float]:

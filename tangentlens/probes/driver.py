@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..batches import as_batches, iter_batches, unpack_batch
+from ..batches import as_batches, draw_masked, iter_batches, unpack_batch, vocabulary_size
 from ..compute import site_map
 from ..errors import UnstableBasisWarning, UsageError
 from ..files import tensor_hash
@@ -93,9 +93,7 @@ def _vocab_and_mask_id(model: Any) -> tuple[int | None, int | None, set[int]]:
     """(vocabulary size, mask token id, special token ids) from the model's tokenizer (a
     TransformerLens bridge's or nnsight ``TransformersModel``'s) or its config."""
     config, tok = getattr(_hf(model), "config", None), getattr(model, "tokenizer", None)
-    vocab = getattr(getattr(model, "cfg", None), "d_vocab", None) or getattr(
-        config, "vocab_size", None
-    )
+    vocab = vocabulary_size(model) or vocabulary_size(_hf(model))
     mask_id = getattr(tok, "mask_token_id", None)
     if mask_id is None:
         mask_id = getattr(config, "mask_token_id", None)
@@ -119,13 +117,7 @@ def masked_positions(model: Any, batch: Any, *, rate: float = 0.15, seed: int = 
     eligible = ~torch.isin(ids, torch.tensor(sorted(special), dtype=ids.dtype))
     if mask is not None:
         eligible &= mask.cpu().bool()
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(ids.numpy().tobytes()))
-    draw = torch.rand(ids.shape, generator=gen)
-    chosen = eligible & (draw < rate)
-    first = torch.where(eligible, draw, 2.0).argmin(1)  # each sequence's lowest draw
-    rows = eligible.any(1) & ~chosen.any(1)
-    chosen[rows, first[rows]] = True
-    return chosen
+    return draw_masked(eligible, rate, seed * 1_000_003 + zlib.crc32(ids.numpy().tobytes()))
 
 
 def mlm_loss(
@@ -289,9 +281,8 @@ def fit_bases(
         for part in (batches[0::2], batches[1::2])
         if part
     ]
-    moments = {s: Moments(dtype=state_dtype(memory)).merge(m) for s, m in halves[0].items()}
-    for s, m in (halves[1] if len(halves) > 1 else {}).items():
-        moments[s].merge(m)
+    dtype = state_dtype(memory)
+    moments = {s: Moments.merged([h[s] for h in halves if s in h], dtype=dtype) for s in halves[0]}
     empty = [s.hook_name for s, m in moments.items() if m.count < 2]
     if empty:
         raise UsageError(

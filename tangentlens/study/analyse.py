@@ -62,13 +62,6 @@ def _fisher_ci(r: float, n: int, spearman: bool) -> tuple[float, float]:
     return math.tanh(z - _Z95 * se), math.tanh(z + _Z95 * se)
 
 
-def _merge(moments: list[Moments]) -> Moments:
-    out = Moments()
-    for m in moments:
-        out.merge(m)
-    return out
-
-
 class _Rows:
     """Accumulates table rows of one checkpoint at a time."""
 
@@ -91,27 +84,22 @@ class _Rows:
         site: Site | None = None,
         cis: Mapping[str, tuple[float, float]] | None = None,
     ) -> None:
-        where = {
-            "hook": None if site is None else site.hook_name,
-            "site": None if site is None else site.kind,
-            "layer": None if site is None else site.layer,
-        }
+        checkpoint = None if self.step is None else f"step{self.step}"
         for stat, value in values.items():
             low, high = (cis or {}).get(stat, (math.nan, math.nan))
             self.rows.append(
-                {
-                    "checkpoint": None if self.step is None else f"step{self.step}",
-                    "step": self.step,
-                    "window": self.window,
-                    "rank": rank,
-                    "probe": probe,
-                    **where,
-                    "head": None,
-                    "statistic": stat,
-                    "value": math.nan if value is None else float(value),
-                    "ci_low": low,
-                    "ci_high": high,
-                }
+                results.row(
+                    probe,
+                    site,
+                    stat,
+                    math.nan if value is None else float(value),
+                    checkpoint=checkpoint,
+                    step=self.step,
+                    window=self.window,
+                    rank=rank,
+                    ci_low=low,
+                    ci_high=high,
+                )
             )
 
     def frame(self) -> pd.DataFrame:
@@ -153,7 +141,7 @@ def _fit_bases(
     out: Path,
 ) -> dict[int, dict[Site, TangentBasis]]:
     """Rank → site → Q_T from the pooled early-window activations; saved as `BasisSet`s."""
-    pooled = {s: _merge([parts[t].acts[s] for t in early]) for s in sites}
+    pooled = {s: Moments.merged([parts[t].acts[s] for t in early]) for s in sites}
     provenance = {
         "model": series.name,
         "early_steps": early,
@@ -179,8 +167,8 @@ def _fit_bases(
 
 def _halves(groups_by_step: list[list[Moments]]) -> tuple[Moments, Moments] | None:
     """The early-window activations of the even and of the odd groups of sequences."""
-    even = _merge([g[i] for g in groups_by_step for i in range(0, len(g), 2)])
-    odd = _merge([g[i] for g in groups_by_step for i in range(1, len(g), 2)])
+    even = Moments.merged([g[i] for g in groups_by_step for i in range(0, len(g), 2)])
+    odd = Moments.merged([g[i] for g in groups_by_step for i in range(1, len(g), 2)])
     return (even, odd) if min(even.count, odd.count) >= 2 else None
 
 

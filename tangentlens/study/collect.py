@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from .. import corpus
+from ..batches import check_tokens
 from ..distributed import all_reduce_session, check_parent, shard
 from ..errors import CorruptFileError, UsageError
 from ..files import check_safetensors, config_digest, load_tensors, save_tensors, tensor_hash
@@ -35,6 +35,7 @@ from ..hooks.base import get_backend
 from ..hooks.huggingface import is_causal
 from ..hooks.sites import INPUT_KINDS, WRITE_KINDS, Site
 from ..models import quiet_transformers
+from ..probes.activation import FixedSample
 from ..probes.base import Observation, Probe
 from ..probes.driver import lm_loss, masked_positions, mlm_loss, run
 from ..probes.weight_gradient import WeightGradientProbe
@@ -163,32 +164,6 @@ def stale_parts(cfg: StudyConfig, series: Any, out: Path, tokens: Tensor) -> lis
     return todo
 
 
-class _TokenSample:
-    """Activations of a fixed, seeded set of probe tokens (uniform without replacement),
-    for TwoNN. Unlike a streaming reservoir it does not depend on how the tokens are split
-    across batches or processes: each row is written by the one pass that holds its token."""
-
-    def __init__(self, cfg: StudyConfig, shape: tuple[int, int], sites: list[Site], d: int):
-        n_seq, seq_len = shape
-        size = min(cfg.reservoir, n_seq * seq_len)
-        rng = np.random.default_rng(cfg.seed)
-        flat = torch.as_tensor(np.sort(rng.choice(n_seq * seq_len, size=size, replace=False)))
-        self.seq, self.pos = flat // seq_len, flat % seq_len
-        self.buffers = {s: torch.zeros(size, d) for s in sites} if size else {}
-        self.start = 0  # first probe sequence of the batch being run
-
-    def hook(self, site: Site) -> Any:
-        buffer = self.buffers[site]
-
-        def fn(x: Tensor) -> None:
-            sel = (self.seq >= self.start) & (self.seq < self.start + x.shape[0])
-            if bool(sel.any()):
-                rows = x.detach()[self.seq[sel] - self.start, self.pos[sel]]
-                buffer[sel] = rows.to("cpu", torch.float32)
-
-        return fn
-
-
 def check_parts_match(series: Any, parts: dict[int, Any]) -> None:
     """A resumed part must come from the weights the checkpoint holds now (checked where
     the checkpoint records its weights hash, as the trainer's do)."""
@@ -279,18 +254,13 @@ def collect_part(
     backend = get_backend(model)
     d, n_layers = backend.d_model, backend.n_layers
     cfg.check_ranks(d)
-    n_ctx = getattr(loaded.model.config, "max_position_embeddings", None)
-    if n_ctx is not None and tokens.shape[1] > n_ctx:
-        raise UsageError(
-            f"seq_len={tokens.shape[1]} exceeds the model's {n_ctx} positions; lower seq_len."
-        )
-    n_vocab = loaded.model.get_input_embeddings().weight.shape[0]
-    if int(tokens.max()) >= n_vocab:
-        raise UsageError(
-            f"the probe set holds token id {int(tokens.max())}, outside the {n_vocab}-token "
-            f"vocabulary of {ckpt.source}: the tokenizer does not fit the model; save "
-            "the model's own tokenizer with the checkpoints."
-        )
+    check_tokens(
+        loaded.model,
+        tokens,
+        source=ckpt.source,
+        fix="the tokenizer does not fit the model; save the model's own tokenizer with the "
+        "checkpoints",
+    )
     available = set(backend.sites())
     sites = [s for s in _study_sites(cfg.sites, n_layers) if s in available]
     writes = (
@@ -299,7 +269,7 @@ def collect_part(
     writes = [s for s in writes if s in available]
     batches = list(enumerate(tokens.split(cfg.batch_size)))  # (global batch index, batch)
     mine = shard(batches, rank, world_size)
-    sample = _TokenSample(cfg, tokens.shape, sites, d)
+    sample = FixedSample(cfg.reservoir, cfg.seed, tokens.shape, sites, d)
     nll = torch.zeros(1, dtype=torch.float64)
     n_predicted = torch.zeros(1, dtype=torch.float64)
     # decoders: the summed next-token loss; encoders: the summed masked-token loss
@@ -433,13 +403,6 @@ class Part:
     meta: dict[str, Any]
 
 
-def _merged(groups: list[Moments]) -> Moments:
-    out = Moments()
-    for m in groups:
-        out.merge(m)
-    return out
-
-
 def load_part(path: Path) -> Part:
     """Read a part file; anything missing or malformed is a `CorruptFileError`."""
     tensors, header = load_tensors(path)
@@ -486,8 +449,8 @@ def load_part(path: Path) -> Part:
                 raise IndexError(f"group {group} of {n_groups}")
             target = act_groups if kind == "act" else grad_groups
             target.setdefault(site, [Moments() for _ in range(n_groups)])[int(group)] = m
-        acts = {s: _merged(g) for s, g in act_groups.items()} | writes
-        grads = {s: _merged(g) for s, g in grad_groups.items()}
+        acts = {s: Moments.merged(g) for s, g in act_groups.items()} | writes
+        grads = {s: Moments.merged(g) for s, g in grad_groups.items()}
         wgrad_groups: dict[Site, list[Tensor]] = {}
         for (group, site), t in sorted(wgrad.items(), key=lambda kv: kv[0][0]):
             if not 0 <= group < n_groups or tuple(t.shape) != (d, d):

@@ -17,7 +17,15 @@ from ..files import dataclass_from_dict
 from ..hooks.sites import RESIDUAL_KINDS
 from ..models import is_hub_id
 from ..settings import HEAD_NULL, STUDY, ZETA
-from ..validation import BACKENDS, CONTROLS, check_encoding, check_rank, is_int
+from ..validation import (
+    BACKENDS,
+    CONTROLS,
+    check_encoding,
+    check_rank,
+    check_seq_len,
+    check_window_fraction,
+    is_int,
+)
 
 __all__ = ["StudyConfig", "open_series", "threads"]
 
@@ -96,7 +104,7 @@ class StudyConfig:
             )
         ranks = sorted({int(r) for r in ranks})
         self.rank = ranks[0] if len(ranks) == 1 else tuple(ranks)
-        positive = ("n_controls", "n_sequences", "seq_len", "batch_size", "n_permutations")
+        positive = ("n_controls", "n_sequences", "batch_size", "n_permutations")
         for name in ("head_sequences", "head_null"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
@@ -110,18 +118,20 @@ class StudyConfig:
                 raise UsageError(f"StudyConfig.{name} must be a positive int; got {value!r}.")
             setattr(self, name, int(value))
         self.encoding = check_encoding(self.encoding, "StudyConfig.encoding")
-        for name in ("window_fraction", "zeta", "probe_fraction"):
+        self.seq_len = check_seq_len(self.seq_len, "StudyConfig.seq_len")
+        self.window_fraction = check_window_fraction(
+            self.window_fraction, "StudyConfig.window_fraction"
+        )
+        for name in ("zeta", "probe_fraction"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise UsageError(f"StudyConfig.{name} must be a number; got {value!r}.")
             setattr(self, name, float(value))
         checks = {
-            "window_fraction": 0.0 < self.window_fraction <= 0.5,
             "controls": self.controls in CONTROLS,
             "windows": self.windows in ("step", "index"),
             "zeta": 0.0 <= self.zeta <= 1.0,
             "seed": is_int(self.seed) and self.seed >= 0,
-            "seq_len": self.seq_len >= 2,
             "probe_fraction": 0.0 < self.probe_fraction < 1.0,
             "max_chars": self.max_chars is None or (is_int(self.max_chars) and self.max_chars > 0),
             "reservoir": is_int(self.reservoir) and (self.reservoir == 0 or self.reservoir >= 3),
@@ -129,12 +139,10 @@ class StudyConfig:
             or (is_int(self.num_threads) and self.num_threads >= 1),
         }
         hints = {
-            "window_fraction": "(0, 0.5]",
             "controls": f"one of {CONTROLS}",
             "windows": "'step' or 'index'",
             "zeta": "[0, 1]",
             "seed": "an int >= 0",
-            "seq_len": "an int >= 2",
             "probe_fraction": "(0, 1)",
             "max_chars": "None or a positive int",
             "reservoir": "0 (no TwoNN) or an int >= 3",

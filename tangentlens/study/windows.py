@@ -64,9 +64,7 @@ class WindowSummary:
         """One residual site at one checkpoint (``groups``: its gradient Moments per group)."""
         if window not in ("early", "late") or len(groups) < 2:
             return
-        total = Moments()
-        for m in groups:
-            total.merge(m)
+        total = Moments.merged(groups)
         rest = [total - m for m in groups]
         ratio = [energy_ratio(tangent_share(m, basis), basis.k, basis.d) for m in rest]
         self._series["gradient_energy_ratio", rank, window].add(tests["energy_ratio"], ratio)

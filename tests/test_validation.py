@@ -1,0 +1,63 @@
+"""The shared argument rules: each entry point (command line, configs, data loaders)
+refuses the same values with the rule's one message."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+from tangentlens import cli, corpus
+from tangentlens.errors import UsageError
+from tangentlens.study.config import StudyConfig
+from tangentlens.train import TrainConfig
+from tangentlens.validation import check_seq_len, check_window_fraction
+
+
+@pytest.mark.parametrize("bad", [1, 0, -3, 2.0, "16", True, None])
+def test_seq_len_below_two_or_not_an_int_is_refused(bad: object) -> None:
+    with pytest.raises(UsageError, match="int >= 2"):
+        check_seq_len(bad)
+
+
+def test_seq_len_accepts_numpy_ints_as_plain_ints() -> None:
+    value = check_seq_len(np.int64(2))
+    assert value == 2 and type(value) is int
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 0.51, float("nan"), float("inf"), "0.3", True])
+def test_window_fraction_outside_half_open_unit_half_is_refused(bad: object) -> None:
+    with pytest.raises(UsageError, match=r"a number in \(0, 0.5\]"):
+        check_window_fraction(bad)
+
+
+def test_window_fraction_accepts_its_bounds() -> None:
+    assert check_window_fraction(0.5) == 0.5 and check_window_fraction(np.float32(0.25)) == 0.25
+
+
+def test_every_entry_point_states_the_same_seq_len_rule() -> None:
+    rule = "int >= 2; got 1: a one-token sequence"
+    with pytest.raises(argparse.ArgumentTypeError, match=rule):
+        cli._seq_len("1")
+    with pytest.raises(argparse.ArgumentTypeError, match="int >= 2; got 'x'"):
+        cli._seq_len("x")
+    with pytest.raises(UsageError, match=rule):
+        StudyConfig(checkpoints="unused", seq_len=1)
+    with pytest.raises(UsageError, match=rule):
+        TrainConfig.tiny(seq_len=1)
+    with pytest.raises(UsageError, match=rule):
+        corpus.token_batches(None, ids=torch.arange(15), seq_len=1)
+    assert cli._seq_len("2") == 2
+
+
+def test_every_entry_point_states_the_same_window_fraction_rule() -> None:
+    rule = r"a number in \(0, 0.5\] so the early and late windows do not overlap; got 0.9"
+    with pytest.raises(argparse.ArgumentTypeError, match=rule):
+        cli._fraction("0.9")
+    with pytest.raises(argparse.ArgumentTypeError, match="got 'half'"):
+        cli._fraction("half")
+    with pytest.raises(UsageError, match=rule):
+        StudyConfig(checkpoints="unused", window_fraction=0.9)
+    assert cli._fraction("0.5") == 0.5
