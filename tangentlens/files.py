@@ -96,7 +96,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
     most a hidden ``.{name}.*.tmp`` file, which `remove_stale_temporaries` clears when
     the command runs again. The temporary is created (exclusively, so nothing planted
     there is followed) with mode 0666, so the kernel applies the umask as it does to
-    any new file; the rename replaces the name, never writing into what it pointed to.
+    any new file; that mode is put back if ``write`` replaced the file (safetensors
+    writes 0600), and the rename replaces the name, never writing into what it pointed to.
     """
     path = Path(path)
     _make_parent(path)
@@ -104,12 +105,16 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
     while True:
         tmp_path = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
         try:
-            os.close(os.open(tmp_path, flags, 0o666))
-            break
+            fd = os.open(tmp_path, flags, 0o666)
         except FileExistsError:
             continue
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        os.close(fd)
+        break
     try:
         _fill(path, tmp_path, write)
+        if stat.S_IMODE(os.stat(tmp_path).st_mode) != mode:
+            os.chmod(tmp_path, mode)
         with open(tmp_path, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp_path, path)
@@ -277,13 +282,13 @@ def read_json(path: str | Path, expect: type = dict, *, fix: str = "delete it an
     except FileNotFoundError:
         raise MissingFileError(f"{path} does not exist; {fix}.") from None
     except IsADirectoryError:
-        raise CorruptFileError(f"{path} is a folder, not a JSON file; {fix}.") from None
+        raise CorruptFileError(f"{path} is corrupt (a folder, not a JSON file); {fix}.") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise CorruptFileError(f"{path} is not valid JSON ({err}); {fix}.") from None
+        raise CorruptFileError(f"{path} is corrupt (not valid JSON: {err}); {fix}.") from None
     if not isinstance(data, expect):
         raise CorruptFileError(
-            f"{path} holds a JSON {_json_kind(data)} where a JSON {_json_kind(expect())} "
-            f"belongs; {fix}."
+            f"{path} is corrupt (a JSON {_json_kind(data)} where a JSON "
+            f"{_json_kind(expect())} belongs); {fix}."
         )
     return data
 
@@ -428,7 +433,7 @@ class FolderLock:
 def _read_record(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
-    record = read_json(path, dict, fix="restore it, or choose a new --out")
+    record = read_json(path, dict, fix="restore this damaged folder record, or choose a new --out")
     try:
         if not all(isinstance(w["command"], str) and w["digest"] for w in record["writers"]):
             raise ValueError("a writer without command or digest")
