@@ -15,7 +15,6 @@ branches are known to serve duplicated weights).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM,
 
 from . import models
 from .errors import CorruptFileError, MissingFileError, UsageError
-from .files import check_safetensors, tensor_hash
+from .files import check_safetensors, read_json, tensor_hash
 from .models import TOKENIZER_FILES, check_model_folder, quiet_transformers
 from .validation import check_window_fraction
 
@@ -111,7 +110,7 @@ def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
     if single.is_file():
         files = [single]
     elif index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = read_json(index, dict, fix="restore the model folder")["weight_map"]
         files = [folder / f for f in sorted(set(weight_map.values()))]
     else:
         return None
@@ -241,12 +240,7 @@ class CheckpointSeries:
             meta_path = sub / METADATA_FILE
             meta = {}
             if meta_path.is_file():
-                try:
-                    meta = json.loads(meta_path.read_text(encoding="utf-8"))
-                except (OSError, json.JSONDecodeError) as err:
-                    raise CorruptFileError(
-                        f"{meta_path} is corrupt ({err}); delete that checkpoint or the file."
-                    ) from err
+                meta = read_json(meta_path, dict, fix="delete that checkpoint or the file")
             found.append(Checkpoint(step, str(sub), None, meta))
         if not found:
             single = (root / "config.json").is_file()

@@ -1,17 +1,24 @@
-"""Atomic file writes, safetensors round trips (no pickle anywhere), content hashes, and
-the one-writer rule for output folders (`lock_folder`: an exclusive lock plus a record of
-which command and configuration made the folder)."""
+"""Atomic file writes (files and whole folders), safetensors round trips (no pickle
+anywhere), the strict JSON reader, content hashes, and the one-writer rule for output
+folders (`lock_folder`: an exclusive lock plus a record of which command and configuration
+made the folder).
+
+Importing this module changes nothing in the process (no umask is set, no platform-only
+module is needed): the umask is read where a permission is computed, and the lock comes
+from `filelock`, which picks the platform's primitive itself."""
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import fnmatch
 import hashlib
 import json
 import os
 import re
+import secrets
 import shlex
+import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -21,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from filelock import lock_descriptor
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
@@ -32,6 +40,7 @@ __all__ = [
     "LOCK_FILE",
     "RECORD_FILE",
     "FolderLock",
+    "atomic_folder",
     "atomic_write",
     "check_safetensors",
     "config_digest",
@@ -40,10 +49,12 @@ __all__ = [
     "load_tensors",
     "lock_folder",
     "make_readable",
+    "read_json",
     "read_text_file",
     "remove_stale_temporaries",
     "save_tensors",
     "tensor_hash",
+    "write_bytes",
     "write_json",
     "write_text",
 ]
@@ -52,18 +63,9 @@ LOCK_FILE = ".tangentlens.lock"
 RECORD_FILE = ".tangentlens-folder.json"
 
 T = TypeVar("T")
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, fsync, then rename.
-
-    A reader never sees a partial file under the final name: a crash leaves at
-    most a hidden ``.{name}.*.tmp`` file, which `remove_stale_temporaries` clears when
-    the command runs again.
-    """
-    path = Path(path)
+def _make_parent(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -71,26 +73,101 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
             f"cannot create the output folder {path.parent}: {err.strerror}; "
             "choose a writable --out."
         ) from err
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
+
+
+def _fill(path: Path, tmp: Path, write: Callable[[Path], Any]) -> None:
+    """``write(tmp)``, with a full disk or a file-size limit that a library reported inside
+    its own exception type (safetensors, tokenizers) raised as the `OSError` it is."""
     try:
-        try:
-            write(tmp_path)
-        except OSError:
+        write(tmp)
+    except OSError:
+        raise
+    except Exception as err:
+        env = environment_error(err, path)
+        if env is None:
             raise
-        except Exception as err:  # safetensors and tokenizers wrap the OS error in their own
-            env = environment_error(err, path)
-            if env is None:
-                raise
-            raise env from err
-        os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600: give ordinary permissions
+        raise env from err
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, fsync, then rename.
+
+    A reader never sees a partial file under the final name: a crash leaves at
+    most a hidden ``.{name}.*.tmp`` file, which `remove_stale_temporaries` clears when
+    the command runs again. The temporary is created (exclusively, so nothing planted
+    there is followed) with mode 0666, so the kernel applies the umask as it does to
+    any new file; that mode is put back if ``write`` replaced the file (safetensors
+    writes 0600), and the rename replaces the name, never writing into what it pointed to.
+    """
+    path = Path(path)
+    _make_parent(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    while True:
+        tmp_path = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp_path, flags, 0o666)
+        except FileExistsError:
+            continue
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        os.close(fd)
+        break
+    try:
+        _fill(path, tmp_path, write)
+        if stat.S_IMODE(os.stat(tmp_path).st_mode) != mode:
+            os.chmod(tmp_path, mode)
         with open(tmp_path, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp_path, path)
     finally:
         tmp_path.unlink(missing_ok=True)
     return path
+
+
+def atomic_folder(
+    final: str | Path, fill: Callable[[Path], Any], *, prefix: str | None = None
+) -> Path:
+    """Build a folder under a hidden temporary name with ``fill(tmp)``, give it and its
+    files the umask's permissions (not mkdtemp's 0700 or a library's 0600), fsync its
+    files, then rename it to ``final``: a reader never sees half a checkpoint or model.
+
+    ``prefix``: the temporary's name start (default ``.{name}.``), for a command that
+    clears its own leftovers by name. A rename onto an existing ``final`` fails with the
+    `OSError`; nothing of the temporary is left either way."""
+    final = Path(final)
+    _make_parent(final)
+    tmp = Path(
+        tempfile.mkdtemp(prefix=prefix or f".{final.name}.", suffix=".tmp", dir=final.parent)
+    )
+    try:
+        _fill(final, tmp, fill)
+        make_readable(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file() and not f.is_symlink():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def current_umask() -> int:
+    """The process's umask, read when a permission is computed (never at import).
+
+    Linux states it in ``/proc/self/status``, which reads it without changing it.
+    Elsewhere the only way is to set a mask and put the old one back; the mask set in
+    between is the strictest (0o077), so a file another thread makes then is private
+    rather than open to all."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def environment_error(err: BaseException, path: str | Path) -> OSError | None:
@@ -108,10 +185,11 @@ def make_readable(path: str | Path) -> None:
     """Give a folder made by ``tempfile.mkdtemp`` (0700) and the files that libraries write
     there (0600) the permissions of the umask, as every other output has."""
     root = Path(path)
+    umask = current_umask()
     for entry in [root, *root.rglob("*")]:
         if entry.is_symlink():
             continue
-        os.chmod(entry, (0o777 if entry.is_dir() else 0o666) & ~_UMASK)
+        os.chmod(entry, (0o777 if entry.is_dir() else 0o666) & ~umask)
 
 
 def remove_stale_temporaries(folder: str | Path, patterns: Sequence[str] = (".*.tmp",)) -> int:
@@ -129,8 +207,14 @@ def remove_stale_temporaries(folder: str | Path, patterns: Sequence[str] = (".*.
     return removed
 
 
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    return atomic_write(path, lambda p: p.write_bytes(data))
+
+
 def write_text(path: str | Path, text: str) -> Path:
-    return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
+    """``text`` as UTF-8 bytes, newlines as given (no platform translation), so a hash of
+    the text is a hash of the file."""
+    return write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
@@ -182,6 +266,36 @@ def load_tensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             f"{path} is corrupt or truncated ({err}); delete it and re-create it."
         ) from err
     return tensors, meta
+
+
+def read_json(path: str | Path, expect: type = dict, *, fix: str = "delete it and re-run") -> Any:
+    """The JSON value in ``path``, which must be an ``expect`` (dict, list, ...).
+
+    What tangentlens reads back (manifests, configs, folder records, checkpoint metadata)
+    is data it wrote; anything else there, unreadable bytes, broken JSON or JSON of
+    another shape, is a `CorruptFileError` naming the file and ``fix`` (one line, exit 2),
+    never a `KeyError` or `AttributeError` deep inside a command. A missing file is a
+    `MissingFileError`."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise MissingFileError(f"{path} does not exist; {fix}.") from None
+    except IsADirectoryError:
+        raise CorruptFileError(f"{path} is corrupt (a folder, not a JSON file); {fix}.") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise CorruptFileError(f"{path} is corrupt (not valid JSON: {err}); {fix}.") from None
+    if not isinstance(data, expect):
+        raise CorruptFileError(
+            f"{path} is corrupt (a JSON {_json_kind(data)} where a JSON "
+            f"{_json_kind(expect())} belongs); {fix}."
+        )
+    return data
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return kinds.get(type(value), "number")
 
 
 def read_text_file(path: str | Path, encoding: str = "utf-8") -> str:
@@ -319,8 +433,8 @@ class FolderLock:
 def _read_record(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
+    record = read_json(path, dict, fix="restore this damaged folder record, or choose a new --out")
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
         if not all(isinstance(w["command"], str) and w["digest"] for w in record["writers"]):
             raise ValueError("a writer without command or digest")
     except (ValueError, TypeError, KeyError) as err:
@@ -344,30 +458,69 @@ def _differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-def _holder(fd: int) -> str:
-    """Who holds a lock, from what it wrote into the lock file."""
+def _holder(folder: Path) -> str:
+    """Who holds a folder, from the record its holder wrote into the lock file (opened
+    without following a link and without blocking, so a planted link or FIFO tells
+    nothing and stops nothing)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        fd = os.open(folder / LOCK_FILE, flags)
+        try:
+            info = json.loads(os.read(fd, 4096) or b"{}")
+        finally:
+            os.close(fd)
         return f"pid {int(info['pid'])}: `{info['argv']}`"
     except (OSError, ValueError, TypeError, KeyError):
         return "a process that has not said who it is yet"
+
+
+def _open_folder(folder: Path) -> int:
+    """A descriptor of the folder itself, which is what the lock is taken on."""
+    if os.name == "nt":  # pragma: no cover - no descriptor of a folder there
+        raise UsageError(
+            f"cannot lock {folder}: output folders are locked with POSIX directory locks, "
+            "which this system lacks; run tangentlens on Linux or macOS (or in WSL)."
+        )
+    return os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
+def _say_who(folder: Path, me: Mapping[str, Any]) -> None:
+    """Record the holder in the lock file: refuse anything there but a plain file (a
+    planted link is named, and what it points to is never opened), then replace the
+    name atomically, so even a hard link to another file leaves that file as it was."""
+    path = folder / LOCK_FILE
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a plain file"
+        raise UsageError(
+            f"{path} is {kind}, not tangentlens's lock file (nothing it points to was "
+            "touched); delete it and rerun, or choose another --out."
+        )
+    write_json(path, me)
 
 
 @contextmanager
 def lock_folder(folder: str | Path, command: str) -> Iterator[FolderLock]:
     """Hold ``folder`` for ``command`` as its one writer until the block ends.
 
-    An exclusive ``flock`` on ``folder/.tangentlens.lock`` (created with the folder; the
-    kernel drops it when the process ends, however it ends) that records this process's
-    pid and command line; a second writer fails at once with a `UsageError` naming them.
-    Holding it again in the same process nests (the demo's steps).
+    The lock is an exclusive ``flock`` (`filelock.lock_descriptor`) on a descriptor of
+    the folder itself, not on a file in it: deleting or replacing ``.tangentlens.lock``
+    while a run holds the folder cannot let a second writer in, a symbolic link planted
+    under that name is never followed, and the kernel drops the lock when the process
+    ends, however it ends (a killed run leaves nothing stale). The holder then writes
+    its pid and command line into ``.tangentlens.lock`` (a plain record, replaced
+    atomically), which a second writer's refusal names; a second writer fails at once
+    with a `UsageError`. Holding it again in the same process nests (the demo's steps).
     """
     folder = Path(folder).expanduser()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         key = os.path.realpath(folder)
         held = _HELD.get(key)
-        fd = held.fd if held else os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = held.fd if held else _open_folder(folder)
     except OSError as err:
         reason = err.strerror or type(err).__name__
         raise UsageError(f"cannot write to {folder} ({reason}); choose a writable --out.") from err
@@ -375,19 +528,23 @@ def lock_folder(folder: str | Path, command: str) -> Iterator[FolderLock]:
         yield FolderLock(folder, command, key)
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
+        locked = lock_descriptor(fd, blocking=False)
+    except OSError as err:
+        os.close(fd)
+        raise UsageError(
+            f"cannot lock {folder} ({err.strerror or err}): its file system has no locks; "
+            "choose an --out on a local disk."
+        ) from None
+    if not locked:
+        holder = _holder(folder)
         os.close(fd)
         raise UsageError(
             f"{folder} is in use by another tangentlens run ({holder}); wait for it to "
             "finish, or choose another --out."
-        ) from None
+        )
     _HELD[key] = _Held(fd)
     try:
-        me = {"pid": os.getpid(), "command": command, "argv": shlex.join(sys.argv)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
+        _say_who(folder, {"pid": os.getpid(), "command": command, "argv": shlex.join(sys.argv)})
         yield FolderLock(folder, command, key)
     finally:
         del _HELD[key]

@@ -54,7 +54,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from .errors import CorruptFileError, HubUnavailableError, MissingFileError, UsageError
-from .files import check_safetensors, make_readable
+from .files import atomic_folder, check_safetensors, read_json
 from .validation import check_backend
 from .version import __version__
 
@@ -249,9 +249,8 @@ def _convert_gguf(gguf: Path, target: Path, *, source: str) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         provenance = {
@@ -263,15 +262,13 @@ def _convert_gguf(gguf: Path, target: Path, *, source: str) -> None:
             "seconds": round(time.perf_counter() - start, 1),
         }
         (tmp / _PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
-        make_readable(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            # Another process finished first; keep its (identical) folder.
-            if not (target / _PROVENANCE).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        atomic_folder(target, fill)
+    except OSError:
+        # Another process finished first; keep its (identical) folder.
+        if not (target / _PROVENANCE).is_file():
+            raise
 
 
 def _gguf_metadata(gguf: Path) -> dict[str, Any]:
@@ -314,12 +311,7 @@ def check_model_folder(folder: Path, *, tokenizer: bool = True) -> None:
     config = folder / "config.json"
     if not config.is_file():
         raise MissingFileError(f"{folder} is a folder but has no config.json; not an HF model.")
-    try:
-        json.loads(config.read_text(encoding="utf-8"))
-    except ValueError as err:
-        raise CorruptFileError(
-            f"{config} is not valid JSON ({err}); restore the model folder."
-        ) from None
+    read_json(config, dict, fix="restore the model folder")
     weights = _safetensors_files(folder)
     if not weights:
         pickled = sorted(f.name for f in folder.iterdir() if f.suffix in _PICKLE_SUFFIXES)
@@ -351,8 +343,9 @@ def _safetensors_files(folder: Path) -> list[Path]:
         return [single]
     if not index.is_file():
         return []
+    record = read_json(index, dict, fix="restore the model folder")
     try:
-        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        names = sorted(set(record["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CorruptFileError(f"{index} is damaged ({err}); restore the model folder.") from None
     missing = [n for n in names if not (folder / n).is_file()]

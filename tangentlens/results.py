@@ -29,11 +29,18 @@ refuses a table with a name the catalogue lacks; `frame` and `read` take any nam
 One writer (`write`: CSV and JSON, atomically), one reader (`read`: strict, a damaged
 file is a `CorruptFileError` naming the file and line, never a partial table) and one
 filter (`select`), used by the report, the depth profile and the CLI.
+
+A CSV cut at a row boundary, or inside its last number, still parses as a table; so the
+writer records what it wrote in ``{name}.meta.json`` beside the tables (the row count and
+the sha256 of each file's bytes), and the reader checks a table against that record when
+there is one. A table someone made by hand has none and is read on its own terms.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
+import io
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -44,7 +51,7 @@ import pandas as pd
 
 from . import catalogue
 from .errors import CorruptFileError, MissingFileError, UsageError
-from .files import write_text
+from .files import read_json, write_text
 
 __all__ = ["COLUMNS", "CORE", "frame", "read", "row", "select", "write"]
 
@@ -71,6 +78,7 @@ _INT = ("step", "rank", "layer", "head")
 _FLOAT = ("value", "ci_low", "ci_high")
 RESULTS_CSV = "results.csv"
 RESULTS_JSON = "results.json"
+META_SUFFIX = ".meta.json"
 
 
 def _columns(present: Iterable[str]) -> list[str]:
@@ -126,10 +134,27 @@ def write(table: pd.DataFrame, folder: str | Path, name: str = "results") -> tup
         }
         for r in table.to_dict("records")
     ]
-    return (
+    json_text = json.dumps(records, allow_nan=True) + "\n"
+    meta = {
+        "rows": len(table),
+        "sha256": {
+            f"{name}.{kind}": _sha256(text.encode())
+            for kind, text in (("csv", csv_text), ("json", json_text))
+        },
+    }
+    # The record goes last and is removed first: a run killed in between leaves tables
+    # without a record (read unverified), never a record that condemns good tables.
+    (folder / f"{name}{META_SUFFIX}").unlink(missing_ok=True)
+    paths = (
         write_text(folder / f"{name}.csv", csv_text),
-        write_text(folder / f"{name}.json", json.dumps(records, allow_nan=True) + "\n"),
+        write_text(folder / f"{name}.json", json_text),
     )
+    write_text(folder / f"{name}{META_SUFFIX}", json.dumps(meta, indent=2) + "\n")
+    return paths
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 # ----------------------------------------------------------------------------- read
@@ -181,29 +206,27 @@ def _from_records(
     return frame(pd.DataFrame(rows, columns=header), order)
 
 
-def _read_csv(path: Path) -> pd.DataFrame:
+def _read_csv(path: Path, data: bytes) -> pd.DataFrame:
     try:
-        with open(path, newline="", encoding="utf-8") as fh:
-            reader = csv.reader(fh, strict=True)
-            header = next(reader, None)
-            if header is None:
-                raise CorruptFileError(f"{path} is empty; re-create it.")
-            records = [(reader.line_num, row) for row in reader]
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CorruptFileError(f"{path} is not UTF-8 text ({err.reason}); re-create it.") from None
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    try:
+        header = next(reader, None)
+        if header is None:
+            raise CorruptFileError(f"{path} is empty; re-create it.")
+        records = [(reader.line_num, row) for row in reader]
     except csv.Error as err:
         raise CorruptFileError(
             f"{path}, line {reader.line_num}: {err}; the file is damaged: re-create it."
         ) from None
-    except UnicodeDecodeError as err:
-        raise CorruptFileError(f"{path} is not UTF-8 text ({err.reason}); re-create it.") from None
     return _from_records(header, records, path)
 
 
 def _read_json(path: Path) -> pd.DataFrame:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CorruptFileError(f"{path} is not valid JSON ({err}); re-create it.") from None
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+    data = read_json(path, list, fix="re-create it")
+    if not all(isinstance(r, dict) for r in data):
         raise CorruptFileError(f"{path} is not a list of result records; re-create it.")
     header = list(data[0]) if data else list(CORE)
     records = []
@@ -212,6 +235,33 @@ def _read_json(path: Path) -> pd.DataFrame:
             raise CorruptFileError(f"{path}, record {i}: its keys differ from the first record's.")
         records.append((i, [record[c] for c in header]))
     return _from_records(header, records, path)
+
+
+def _verify(path: Path, data: bytes, table: pd.DataFrame) -> None:
+    """Check a table against the record its writer left beside it (if any): a table
+    cut short or altered after writing is a `CorruptFileError`, not a quieter table."""
+    meta_path = path.with_name(path.stem + META_SUFFIX)
+    if not meta_path.is_file():
+        return
+    fix = "the file is damaged: delete it and re-run the command that made it"
+    meta = read_json(meta_path, dict, fix=f"delete it and {path.name}, and re-run")
+    rows, digest = meta.get("rows"), meta.get("sha256", {})
+    wanted = digest.get(path.name) if isinstance(digest, dict) else None
+    if not isinstance(rows, int) or not isinstance(wanted, str):
+        raise CorruptFileError(
+            f"{meta_path} lacks the row count or the sha256 of {path.name}; delete it and "
+            f"{path.name}, and re-run the command that made them."
+        )
+    if len(table) != rows:
+        raise CorruptFileError(
+            f"{path} holds {len(table)} rows where its writer wrote {rows} (cut short or "
+            f"extended, per {meta_path.name}); {fix}."
+        )
+    if _sha256(data) != wanted:
+        raise CorruptFileError(
+            f"{path} differs from what its writer wrote (its sha256 is not the one in "
+            f"{meta_path.name}: a changed or cut value); {fix}."
+        )
 
 
 def read(path: str | Path) -> pd.DataFrame:
@@ -228,7 +278,10 @@ def read(path: str | Path) -> pd.DataFrame:
         path = found
     elif not path.is_file():
         raise MissingFileError(f"{path} does not exist; pass a results folder or results.csv.")
-    return _read_json(path) if path.suffix.lower() == ".json" else _read_csv(path)
+    data = path.read_bytes()
+    table = _read_json(path) if path.suffix.lower() == ".json" else _read_csv(path, data)
+    _verify(path, data, table)
+    return table
 
 
 # ----------------------------------------------------------------------------- select

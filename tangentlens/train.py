@@ -19,9 +19,7 @@ import dataclasses
 import json
 import math
 import numbers
-import os
 import shutil
-import tempfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,11 +35,11 @@ from .corpus import encode, load_lines, token_batches
 from .errors import CorruptFileError, UsageError
 from .files import (
     FolderLock,
+    atomic_folder,
     dataclass_from_dict,
-    environment_error,
     load_tensors,
     lock_folder,
-    make_readable,
+    read_json,
     remove_stale_temporaries,
     save_tensors,
     tensor_hash,
@@ -332,37 +330,13 @@ def _load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, Tensor], meta
 
 
 def _atomic_dir(final: Path, fill: Callable[[Path], Any]) -> None:
-    """Build a folder under a temporary name with ``fill(tmp)``, then rename it to ``final``
-    (with the umask's permissions, not mkdtemp's 0700). A full disk or a file-size limit
-    inside a library's writer surfaces as the `OSError` it is."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name}-", dir=final.parent))
-    try:
-        try:
-            fill(tmp)
-        except OSError:
-            raise
-        except Exception as err:
-            env = environment_error(err, final)
-            if env is None:
-                raise
-            raise env from err
-        make_readable(tmp)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+    """`atomic_folder` under the trainer's temporary prefix, which `_prepare_out_dir`
+    clears when a killed run left one."""
+    atomic_folder(final, fill, prefix=f"{_TMP_PREFIX}{final.name}-")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise CorruptFileError(
-            f"{path} is unreadable or corrupt ({err}); delete it and rerun."
-        ) from err
+    return read_json(path, dict, fix="delete it and rerun")
 
 
 def _prepare_out_dir(config: TrainConfig, out: Path, lock: FolderLock) -> None:

@@ -12,7 +12,6 @@ with the same configuration, or an empty one.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from .batches import check_tokens, context_length
 from .corpus import encode, load_lines
 from .distributed import run_probe
 from .errors import MissingFileError, UsageError
-from .files import lock_folder, remove_stale_temporaries, write_json
+from .files import lock_folder, read_json, remove_stale_temporaries, write_json
 from .hooks.base import get_backend
 from .hooks.sites import Site
 from .models import is_hub_id, load, quiet_transformers
@@ -289,8 +288,8 @@ def _trained_with(checkpoints: str) -> dict[str, Any]:
     trainer's held-out split and fits the model's context (empty for other series)."""
     path = Path(checkpoints).expanduser() / "train_config.json"
     try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        saved = read_json(path)
+    except (OSError, ValueError):  # not a train folder, or not its record: no settings
         return {}
     if not isinstance(saved, dict):
         return {}

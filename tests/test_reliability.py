@@ -76,15 +76,17 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
 
 @contextmanager
 def _held(folder: Path) -> Iterator[None]:
-    """Hold ``folder``'s lock as another process would (its own open file), recording a
-    command line the refusal must name."""
+    """Hold ``folder``'s lock as another process would (its own descriptor of the folder),
+    recording a command line the refusal must name."""
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK_FILE, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fh.truncate(0)
-        fh.write(json.dumps({"pid": 4242, "command": "study", "argv": "tangentlens study x"}))
-        fh.flush()
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        record = {"pid": 4242, "command": "study", "argv": "tangentlens study x"}
+        (folder / LOCK_FILE).write_text(json.dumps(record))
         yield
+    finally:
+        os.close(fd)
 
 
 def _copy(src: Path, dst: Path) -> Path:

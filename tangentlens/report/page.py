@@ -21,8 +21,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from .. import results
-from ..errors import CorruptFileError
-from ..files import atomic_write, write_text
+from ..files import read_json, write_bytes, write_text
 from ..results import frame
 from .claims import Claim
 from .figures import Rendered, render_figures
@@ -139,12 +138,7 @@ def is_report(path: str | Path) -> bool:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CorruptFileError(f"{path} is corrupt ({err}); re-create it or delete it.") from err
+    return read_json(path, dict, fix="re-create it or delete it") if path.is_file() else None
 
 
 def sub_tables(folder: Path) -> list[str]:
@@ -204,7 +198,7 @@ def write_report(
     rendered = []
     for fig in render_figures(table):
         png = _png(fig.figure)
-        atomic_write(figures_dir / f"{fig.name}.png", lambda p, b=png: p.write_bytes(b))
+        write_bytes(figures_dir / f"{fig.name}.png", png)
         rendered.append((fig, png))
     page = _html(table, description, summary(table), rendered, config, manifest, title)
     return write_text(out, page)

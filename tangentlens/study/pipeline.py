@@ -41,8 +41,15 @@ from tqdm.auto import tqdm
 
 from .. import results
 from ..distributed import launch
-from ..errors import CorruptFileError, UsageError
-from ..files import FolderLock, lock_folder, remove_stale_temporaries, tensor_hash, write_json
+from ..errors import UsageError
+from ..files import (
+    FolderLock,
+    lock_folder,
+    read_json,
+    remove_stale_temporaries,
+    tensor_hash,
+    write_json,
+)
 from ..validation import check_int
 from .analyse import analyse, fit_bases
 from .collect import (
@@ -240,14 +247,4 @@ def _prepare_out_dir(cfg: StudyConfig, out: Path, lock: FolderLock) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        found = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CorruptFileError(
-            f"{path} is corrupt ({err}); delete it or use another --out."
-        ) from err
-    if not isinstance(found, dict):
-        raise CorruptFileError(f"{path} is not a JSON object; delete it or use another --out.")
-    return found
+    return read_json(path, dict, fix="delete it or use another --out") if path.is_file() else None
