@@ -5,7 +5,7 @@ all-float64 products, on SmolLM2-135M and on an adversarial stream.
     .venv/bin/python benchmarks/bench_accumulation.py --fit-timing 3   # time only
 
 Three runs over the same tokens, bases and seed: the reference (every per-batch product
-in float64: `tangentlens.stats.gram_dtype` forced to float64), the default (float32
+in float64: `tangentlens.core.stats.gram_dtype` forced to float64), the default (float32
 products of the float32 activations, float64 state) and ``memory="compact"`` (float32
 products and float32 state). For each statistic it prints the largest relative
 difference from the reference over the sites, and for ``fit_bases`` 1 − the overlap of
@@ -27,9 +27,10 @@ from unittest import mock
 
 import torch
 
-from tangentlens import models, stats
+from tangentlens import models
+from tangentlens.core import stats
+from tangentlens.core.subspace import subspace_overlap
 from tangentlens.probes import fit_bases, run, weight_gradient
-from tangentlens.subspace import subspace_overlap
 
 PROBES = ("residual", "gradient", "weight_gradient")
 COMPARED = (

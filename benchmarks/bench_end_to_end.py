@@ -31,8 +31,8 @@ import warnings
 import torch
 
 from tangentlens import models
-from tangentlens.compute import site_map, top_eigh
-from tangentlens.files import tensor_hash
+from tangentlens.core.compute import site_map, top_eigh
+from tangentlens.core.files import tensor_hash
 from tangentlens.probes import fit_bases, lm_loss, probe
 from tangentlens.probes.base import first_equal
 

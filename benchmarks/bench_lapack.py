@@ -1,4 +1,4 @@
-"""LAPACK through scipy's and torch's wrappers (`tangentlens.compute`) against the
+"""LAPACK through scipy's and torch's wrappers (`tangentlens.core.compute`) against the
 `ctypes` layer on scipy's Cython LAPACK table that the package used before (copied below as
 the baseline; the package no longer has it).
 
@@ -27,13 +27,13 @@ import scipy.linalg.cython_lapack
 import torch
 from threadpoolctl import ThreadpoolController
 
-from tangentlens import compute
+from tangentlens.core import compute
 
 REPEATS = 7
 SITES = 4
 K = 17
 
-# ---- BASELINE: the ctypes layer tangentlens.compute had before (GIL released) ----
+# ---- BASELINE: the ctypes layer tangentlens.core.compute had before (GIL released) ----
 
 
 @cache

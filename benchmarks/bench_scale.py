@@ -28,13 +28,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_probes import build, interleaved
 
+from tangentlens.core.significance import energy_test, isotropy_test
 from tangentlens.probes import fit_bases, lm_loss, probe, run
-from tangentlens.significance import energy_test, isotropy_test
 
 
 def trained_model() -> tuple[torch.nn.Module, int]:
     from tangentlens import models
-    from tangentlens.train import TrainConfig, train
+    from tangentlens.data.train import TrainConfig, train
 
     out = Path(tempfile.mkdtemp(prefix="tangentlens-bench-")) / "ckpt"
     train(TrainConfig(), out, progress=False)

@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from tangentlens.compute import threads
-from tangentlens.significance import matrix_tests, tangent_tests
-from tangentlens.stats import Moments
-from tangentlens.subspace import TangentBasis
+from tangentlens.core.compute import threads
+from tangentlens.core.significance import matrix_tests, tangent_tests
+from tangentlens.core.stats import Moments
+from tangentlens.core.subspace import TangentBasis
 
 
 def per_call_ms(fn, repeat: int) -> float:

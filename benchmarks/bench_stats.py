@@ -18,10 +18,10 @@ import warnings
 
 import torch
 
-from tangentlens import metrics
-from tangentlens.significance import energy_test
-from tangentlens.stats import Moments
-from tangentlens.subspace import TangentBasis, normal_controls
+from tangentlens.core import metrics
+from tangentlens.core.significance import energy_test
+from tangentlens.core.stats import Moments
+from tangentlens.core.subspace import TangentBasis, normal_controls
 
 
 def timed(fn, repeat=1):

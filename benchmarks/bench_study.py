@@ -29,12 +29,12 @@ import time
 import warnings
 from pathlib import Path
 
+from tangentlens.cli.workflows import study_config
 from tangentlens.hooks.huggingface import is_causal
 from tangentlens.models import quiet_transformers
 from tangentlens.probes.driver import lm_loss, mlm_loss
 from tangentlens.study import collect
 from tangentlens.study.config import open_series, threads
-from tangentlens.workflows import study_config
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ with padding), float32 weights, the split in float64, on CPU.
   computes; on bridges that compute attention themselves, their pre-softmax
   `hook_attn_scores` on the kept entries). Test bound: 1e-5.
 - **pattern**: max |softmax(sum + mask) − the model's attention weights|, the mask from
-  `tangentlens.decompose.keep_mask` (causal, local window, padding). Test bound: 1e-5.
+  `tangentlens.core.decompose.keep_mask` (causal, local window, padding). Test bound: 1e-5.
 - **TL vs nnsight**: max |a − b| / max(1, |a|) over every row of the results tables of
   `probes.run(("residual", "attention", "gradient"))` on the two backends (same weights,
   same bases, `loss="lm"` or `loss="mlm"`). Test bound: 1e-5.

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import tangentlens
 from tangentlens import models
-from tangentlens.corpus import token_batches
-from tangentlens.layerwise import layerwise_probe, plot_layerwise
+from tangentlens.analysis.layerwise import layerwise_probe, plot_layerwise
+from tangentlens.data.corpus import token_batches
 
 OUT = Path(__file__).parent / "figures"
 

@@ -22,7 +22,7 @@ def model_name(fast: bool) -> str:
     """A local folder (fast) or the bundled SmolLM2-135M."""
     if not fast:
         return "smollm2-135m"
-    from tangentlens.train import TrainConfig, train
+    from tangentlens.data.train import TrainConfig, train
 
     out = Path(tempfile.mkdtemp(prefix="tangentlens-example-"))
     train(TrainConfig.tiny(), out, progress=False)
@@ -31,7 +31,7 @@ def model_name(fast: bool) -> str:
 
 def token_batches(tokenizer, n_batches: int = 4, batch: int = 4, seq_len: int = 64) -> list:
     """Fixed-length token batches from the embedded King James Bible."""
-    from tangentlens.corpus import token_batches as make
+    from tangentlens.data.corpus import token_batches as make
 
     blocks = make(tokenizer, seq_len=seq_len, max_chars=200_000, seed=0).probe_batches(batch)
     return list(blocks)[:n_batches]

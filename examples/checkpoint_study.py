@@ -10,8 +10,8 @@ from pathlib import Path
 
 from _common import parse_args
 
+from tangentlens.data.train import TrainConfig, train
 from tangentlens.study import Study, StudyConfig
-from tangentlens.train import TrainConfig, train
 
 args = parse_args(__doc__)
 out = args.out or Path(tempfile.mkdtemp(prefix="tangentlens-study-"))

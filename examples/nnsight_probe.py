@@ -28,5 +28,5 @@ print(session.results().query("statistic == 'tangent_share'").head(8).to_string(
 with lm.trace(batches[0]):
     saved = trace_moments(lm, ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"])
 for site, m in moments_from_saved(saved).items():
-    iso = tangentlens.metrics.isoscore(m)
+    iso = tangentlens.core.metrics.isoscore(m)
     print(f"{site.hook_name}: {m.count} tokens, d={m.d}, IsoScore {iso:.3f}")

@@ -10,7 +10,7 @@ that runs it, on two padded batches of 3 × 12 tokens:
   ``q·kᵀ·scaling``; on TransformerLens bridges that compute attention themselves,
   their pre-softmax ``hook_attn_scores`` on the entries the model keeps);
 - ``pattern``: max |softmax(sum + mask) − the model's attention weights| over kept query
-  rows, the mask from `tangentlens.decompose.keep_mask` (causal, window, padding);
+  rows, the mask from `tangentlens.core.decompose.keep_mask` (causal, window, padding);
 - ``table``: ``fit_bases`` then ``probes.run(("residual", "attention", "gradient"))`` with
   ``loss="lm"`` (decoders) or ``loss="mlm"`` (encoders), all on shared bases, so
   ``agreement`` can compare the TransformerLens and nnsight tables row by row.
@@ -30,12 +30,12 @@ import torch
 from models import BRIDGE_FAMILIES, ENCODERS, FAMILIES, hf_folder, hf_model, tl_bridge
 from torch import Tensor
 
-from tangentlens.decompose import decompose_scores, keep_mask
-from tangentlens.errors import UnstableBasisWarning
+from tangentlens.core.decompose import decompose_scores, keep_mask
+from tangentlens.core.errors import UnstableBasisWarning
+from tangentlens.core.subspace import TangentBasis
 from tangentlens.hooks import Site, get_backend
 from tangentlens.hooks.transformer_lens import is_transformer_lens
 from tangentlens.probes import BasisSet, fit_bases, run
-from tangentlens.subspace import TangentBasis
 
 BACKENDS = ("transformer_lens", "nnsight")
 PROBES = ("residual", "attention", "gradient")

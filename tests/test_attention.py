@@ -15,7 +15,8 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from tangentlens.decompose import (
+from tangentlens.analysis.interventions import keep_terms
+from tangentlens.core.decompose import (
     TERMS,
     AttentionParams,
     NormParams,
@@ -25,7 +26,8 @@ from tangentlens.decompose import (
     keep_blocks,
     linearize_norm,
 )
-from tangentlens.decompose import keep_mask as dkeep_mask
+from tangentlens.core.decompose import keep_mask as dkeep_mask
+from tangentlens.core.subspace import TangentBasis, complement
 from tangentlens.hooks.huggingface import (
     hf_attention_module,
     norm_from_hf,
@@ -34,7 +36,6 @@ from tangentlens.hooks.huggingface import (
 )
 from tangentlens.hooks.sites import Site
 from tangentlens.hooks.transformer_lens import attention_input_hook, params_from_bridge
-from tangentlens.interventions import keep_terms
 from tangentlens.probes.attention import (
     STATISTICS,
     AttentionAccumulator,
@@ -44,7 +45,6 @@ from tangentlens.probes.attention import (
     score_terms,
 )
 from tangentlens.probes.base import Observation
-from tangentlens.subspace import TangentBasis, complement
 
 HF_ARCHS = ("gpt2", "neox", "llama", "bert")
 ALL_ARCHS = (*HF_ARCHS, "native")

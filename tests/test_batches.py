@@ -10,7 +10,8 @@ import torch
 from models import tl_bridge
 
 import tangentlens
-from tangentlens.batches import (
+from tangentlens.core.errors import UsageError
+from tangentlens.models.batches import (
     as_batches,
     check_tokens,
     draw_masked,
@@ -18,7 +19,6 @@ from tangentlens.batches import (
     text_batches,
     unpack_batch,
 )
-from tangentlens.errors import UsageError
 
 TEXTS = [
     "every layer writes into the residual stream",

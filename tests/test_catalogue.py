@@ -11,9 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tangentlens import catalogue, results
-from tangentlens.catalogue import STATISTICS, Statistic, check_names, register
-from tangentlens.errors import UsageError
+from tangentlens.core import catalogue, results
+from tangentlens.core.catalogue import STATISTICS, Statistic, check_names, register
+from tangentlens.core.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def test_delta_iso_entries_name_zeta_and_the_reference() -> None:
 
 
 def test_the_catalogue_imports_no_torch() -> None:
-    code = "import sys, tangentlens.catalogue; assert 'torch' not in sys.modules"
+    code = "import sys, tangentlens.core.catalogue; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -70,7 +70,7 @@ def test_check_names_names_the_unknown_and_the_fix() -> None:
         check_names(["tangent_share", "my_stat", "other_stat", "my_stat"], "writing x")
     text = str(err.value)
     assert "'my_stat'" in text and "'other_stat'" in text and "tangent_share" not in text
-    assert "writing x" in text and "tangentlens.catalogue.register(Statistic(" in text
+    assert "writing x" in text and "tangentlens.core.catalogue.register(Statistic(" in text
     with pytest.raises(UsageError, match="my_stat"):
         catalogue.get("my_stat")
 
@@ -90,16 +90,17 @@ def test_write_refuses_an_unregistered_name_and_writes_nothing(tmp_path, clean_c
 def test_statistics_md_is_generated() -> None:
     text = (ROOT / "docs" / "STATISTICS.md").read_text(encoding="utf-8")
     assert text == catalogue.document(), (
-        "docs/STATISTICS.md is stale: run `python -m tangentlens.catalogue > docs/STATISTICS.md`"
+        "docs/STATISTICS.md is stale: run "
+        "`python -m tangentlens.core.catalogue > docs/STATISTICS.md`"
     )
-    assert "python -m tangentlens.catalogue > docs/STATISTICS.md" in text.splitlines()[0]
+    assert "python -m tangentlens.core.catalogue > docs/STATISTICS.md" in text.splitlines()[0]
     for name in STATISTICS:
         assert f"| `{name}` |" in text
 
 
 def test_main_prints_the_document() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "tangentlens.catalogue"],
+        [sys.executable, "-m", "tangentlens.core.catalogue"],
         cwd=ROOT,
         capture_output=True,
         text=True,

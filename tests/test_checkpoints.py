@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tangentlens import models, probes
-from tangentlens.checkpoints import Checkpoint, CheckpointSeries, _hf_loader, parse_step
-from tangentlens.corpus import encode, load_lines
-from tangentlens.errors import UnstableBasisWarning
-from tangentlens.train import TrainConfig, train
+from tangentlens import probes
+from tangentlens.core.errors import UnstableBasisWarning
+from tangentlens.data.checkpoints import Checkpoint, CheckpointSeries, _hf_loader, parse_step
+from tangentlens.data.corpus import encode, load_lines
+from tangentlens.data.train import TrainConfig, train
+from tangentlens.models import loading as models
 
 
 @pytest.fixture(scope="module")

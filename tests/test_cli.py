@@ -162,7 +162,7 @@ def test_demo_prints_each_claim_from_the_typed_claims(
 ) -> None:
     """`demo` prints the claims `workflows.demo` returns, one line each: verdict, model,
     gradient object and the paper's words, read from the `Claim` objects."""
-    from tangentlens import workflows
+    from tangentlens.cli import workflows
     from tangentlens.report import PAPER, Claim, Estimate
 
     claim = Claim("energy_early", "decoder", "gradient", "gradient_energy_ratio", 4,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from threadpoolctl import threadpool_info
 
-from tangentlens.compute import site_map, top_eigh, tridiagonal_apply, tridiagonalize
+from tangentlens.core.compute import site_map, top_eigh, tridiagonal_apply, tridiagonalize
 
 
 @pytest.mark.parametrize("n", [1, 5, 12])

@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tangentlens import corpus
+from tangentlens.data import corpus
 
 TEXT = "In the beginning God created the heaven and the earth.\nAnd the earth was void.\n"
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from models import native_config, tokens
 
-from tangentlens.depth import DepthProfile, plot_profiles
+from tangentlens.analysis.depth import DepthProfile, plot_profiles
+from tangentlens.core.uncertainty import jackknife_interval
 from tangentlens.hooks import Site
 from tangentlens.probes import fit_bases, run
 from tangentlens.probes.residual import amplification_rows
-from tangentlens.uncertainty import jackknife_interval
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,12 +9,12 @@ import pandas as pd
 import pytest
 import torch
 
-from tangentlens.distributed import launch, run_probe, shard
-from tangentlens.errors import UsageError
+from tangentlens.core.errors import UsageError
+from tangentlens.core.stats import Moments
+from tangentlens.data.train import TrainConfig, train
 from tangentlens.hooks.sites import Site
 from tangentlens.probes import ActivationProbe, Observation
-from tangentlens.stats import Moments
-from tangentlens.train import TrainConfig, train
+from tangentlens.probes.distributed import launch, run_probe, shard
 
 TOL = 1e-10
 

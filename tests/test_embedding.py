@@ -7,8 +7,12 @@ import pytest
 import torch
 from scipy import stats
 
-from tangentlens.embedding_geometry import frequency_buckets, frequency_distance, update_split
-from tangentlens.subspace import TangentBasis
+from tangentlens.analysis.embedding_geometry import (
+    frequency_buckets,
+    frequency_distance,
+    update_split,
+)
+from tangentlens.core.subspace import TangentBasis
 
 
 def _table(df) -> dict[str, float]:

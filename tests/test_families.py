@@ -14,13 +14,13 @@ import torch
 from models import hf_folder, hf_model, padded_batch
 from torch import Tensor, nn
 
-from tangentlens.decompose import decompose_scores
-from tangentlens.errors import UnstableBasisWarning, UsageError
+from tangentlens.core.decompose import decompose_scores
+from tangentlens.core.errors import UnstableBasisWarning, UsageError
+from tangentlens.core.subspace import TangentBasis
 from tangentlens.hooks import Site, get_backend
 from tangentlens.hooks.huggingface import is_causal, norm_from_hf
 from tangentlens.hooks.transformer_lens import boot_bridge
 from tangentlens.probes import fit_bases, mlm_loss, run
-from tangentlens.subspace import TangentBasis
 
 nnsight = pytest.importorskip("nnsight")
 

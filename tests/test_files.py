@@ -15,10 +15,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tangentlens import results
 from tangentlens.cli import main
-from tangentlens.errors import CorruptFileError, MissingFileError, UsageError
-from tangentlens.files import (
+from tangentlens.core import results
+from tangentlens.core.errors import CorruptFileError, MissingFileError, UsageError
+from tangentlens.core.files import (
     LOCK_FILE,
     RECORD_FILE,
     atomic_folder,
@@ -53,7 +53,7 @@ def test_import_changes_nothing_in_the_process() -> None:
         def refuse(mask):
             raise AssertionError("os.umask called at import")
         os.umask = refuse
-        import tangentlens.files as files, tangentlens.results
+        import tangentlens.core.files as files, tangentlens.core.results
         assert not hasattr(files, "_UMASK") and "fcntl" not in vars(files)
         print("ok")
         """
@@ -121,7 +121,7 @@ def test_a_hard_link_at_the_lock_leaves_its_other_name_as_it_was(tmp_path: Path)
 _HOLDER = textwrap.dedent(
     """
     import sys
-    from tangentlens.files import lock_folder
+    from tangentlens.core.files import lock_folder
     with lock_folder(sys.argv[1], "study"):
         print("held", flush=True)
         sys.stdin.readline()

@@ -21,9 +21,9 @@ import pytest
 import torch
 from exactness import PROBES, agreement, measure_split
 
-from tangentlens import models
-from tangentlens.corpus import encode, load_lines
-from tangentlens.errors import UnstableBasisWarning
+from tangentlens.core.errors import UnstableBasisWarning
+from tangentlens.data.corpus import encode, load_lines
+from tangentlens.models import loading as models
 from tangentlens.probes import fit_bases, lm_loss, run
 
 pytestmark = [

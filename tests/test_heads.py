@@ -16,13 +16,13 @@ from models import BRIDGE_FAMILIES, FAMILIES, hf_model, tl_bridge
 from torch import Tensor
 
 import tangentlens
-from tangentlens.decompose import head_write_energies, random_share_std, z_gram
-from tangentlens.errors import BasisSiteWarning, UsageError
-from tangentlens.heads import TERM_PANELS, head_arrays, plot_heads
+from tangentlens.analysis.heads import TERM_PANELS, head_arrays, plot_heads
+from tangentlens.core.decompose import head_write_energies, random_share_std, z_gram
+from tangentlens.core.errors import BasisSiteWarning, UsageError
+from tangentlens.core.subspace import TangentBasis, uniform_controls
 from tangentlens.hooks.base import get_backend
 from tangentlens.hooks.layouts import layout
 from tangentlens.probes.attention import WRITE_STATISTICS, score_terms
-from tangentlens.subspace import TangentBasis, uniform_controls
 
 D, LAYER, K = 32, 1, 4
 

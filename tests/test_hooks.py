@@ -7,9 +7,9 @@ import torch
 from helpers import hook_counts
 from models import ALL_MODELS, padded_batch, tl_bridge, tokens
 
+from tangentlens.core.subspace import TangentBasis
 from tangentlens.hooks import KINDS, Site, get_backend, select_sites
 from tangentlens.probes import fit_bases, probe
-from tangentlens.subspace import TangentBasis
 
 ARCH_LOSS = {"bert": lambda logits: logits.pow(2).mean()}
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from models import tl_bridge, tokens
 
-from tangentlens.decompose import decompose_parts
-from tangentlens.errors import UsageError
+from tangentlens.analysis.interventions import ablate, causal_effects, head_effects, keep_terms
+from tangentlens.core.decompose import decompose_parts
+from tangentlens.core.errors import UsageError
 from tangentlens.hooks import get_backend
-from tangentlens.interventions import ablate, causal_effects, head_effects, keep_terms
 from tangentlens.probes import fit_bases
 
 

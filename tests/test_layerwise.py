@@ -6,8 +6,8 @@ import pytest
 import torch
 from models import tl_bridge
 
-from tangentlens.errors import UsageError
-from tangentlens.layerwise import layerwise_probe, plot_layerwise
+from tangentlens.analysis.layerwise import layerwise_probe, plot_layerwise
+from tangentlens.core.errors import UsageError
 from tangentlens.probes import fit_bases
 
 

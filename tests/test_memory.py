@@ -11,10 +11,10 @@ import pytest
 import torch
 from models import tl_bridge, tokens
 
+from tangentlens.core.subspace import TangentBasis
 from tangentlens.hooks import Site
 from tangentlens.probes import ActivationProbe, GradientProbe, fit_bases, run
 from tangentlens.probes.base import Observation
-from tangentlens.subspace import TangentBasis
 
 KINDS = ("resid_pre", "resid_mid", "resid_post")
 GB = 1e9

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from tangentlens import metrics as M
-from tangentlens.errors import UsageError
-from tangentlens.stats import Moments
+from tangentlens.core import metrics as M
+from tangentlens.core.errors import UsageError
+from tangentlens.core.stats import Moments
 
 
 def _anisotropic(n=4000, d=24, seed=0):

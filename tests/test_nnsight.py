@@ -21,11 +21,11 @@ from models import (
     tokens,
 )
 
+from tangentlens.core.stats import Moments
 from tangentlens.hooks import Site, get_backend
 from tangentlens.hooks.nnsight import NNsightBackend, moments_from_saved, trace_moments
 from tangentlens.hooks.transformer_lens import TransformerLensBackend
 from tangentlens.probes import fit_bases, probe, run
-from tangentlens.stats import Moments
 
 nnsight = pytest.importorskip("nnsight")
 
@@ -348,7 +348,7 @@ def test_smollm2_probes_on_real_text() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tangentlens import models
-    from tangentlens.decompose import decompose_scores
+    from tangentlens.core.decompose import decompose_scores
 
     folder = models.smollm2_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -10,12 +10,12 @@ import torch
 from models import ALL_MODELS, CAUSAL, padded_batch, tl_bridge, tokens
 from torch import Tensor
 
-from tangentlens.depth import DepthProfile
+from tangentlens.analysis.depth import DepthProfile
+from tangentlens.core.subspace import TangentBasis
 from tangentlens.hooks import Site, get_backend
 from tangentlens.probes import BasisSet, fit_bases, lm_loss, probe, run
 from tangentlens.probes.activation import FixedSample, Reservoir
 from tangentlens.probes.base import first_equal
-from tangentlens.subspace import TangentBasis
 
 OPTS = {"n_controls": 50, "progress": False}
 RANK = 4
@@ -450,7 +450,7 @@ def test_two_names_of_one_tensor_are_tested_once(fitted: dict, monkeypatch) -> N
     """resid_post[0] and resid_pre[1] hold the same gradients and basis: one batch product
     per backward pass, one test, the same values under both names; resid_mid[1] is
     measured on its own (the gradient probe forms no activation product)."""
-    from tangentlens import stats
+    from tangentlens.core import stats
     from tangentlens.probes import gradient
 
     calls = {"tests": 0, "products": 0}

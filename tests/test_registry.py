@@ -9,8 +9,8 @@ import pytest
 import torch
 from models import tl_bridge, tokens
 
-from tangentlens import catalogue, results
-from tangentlens.errors import UsageError
+from tangentlens.core import catalogue, results
+from tangentlens.core.errors import UsageError
 from tangentlens.hooks.sites import RESIDUAL_KINDS
 from tangentlens.probes import GradientProbe, ProbeSession, fit_bases, probe, registry, run
 from tangentlens.probes.base import Observation, Probe, Sum, row

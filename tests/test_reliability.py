@@ -27,17 +27,25 @@ from models import hf_folder
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from tangentlens import corpus, files, models, results, workflows
-from tangentlens.checkpoints import CheckpointSeries
-from tangentlens.cli import main
-from tangentlens.errors import CorruptFileError, UsageError
-from tangentlens.files import LOCK_FILE, RECORD_FILE, check_safetensors, load_tensors, lock_folder
+from tangentlens.cli import main, workflows
+from tangentlens.core import files, results
+from tangentlens.core.errors import CorruptFileError, UsageError
+from tangentlens.core.files import (
+    LOCK_FILE,
+    RECORD_FILE,
+    check_safetensors,
+    load_tensors,
+    lock_folder,
+)
+from tangentlens.core.stats import Moments
+from tangentlens.core.validation import check_int
+from tangentlens.data import corpus
+from tangentlens.data.checkpoints import CheckpointSeries
+from tangentlens.data.train import TrainConfig, train
+from tangentlens.models import loading as models
 from tangentlens.probes.bases import BasisSet
-from tangentlens.stats import Moments
 from tangentlens.study import Study, StudyConfig
 from tangentlens.study.collect import load_part
-from tangentlens.train import TrainConfig, train
-from tangentlens.validation import check_int
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 ENV.pop("TANGENTLENS_DEBUG", None)

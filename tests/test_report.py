@@ -13,8 +13,9 @@ import pandas as pd
 import pytest
 from matplotlib.figure import Figure
 
-from tangentlens import report, results
-from tangentlens.errors import CorruptFileError
+from tangentlens import report
+from tangentlens.core import results
+from tangentlens.core.errors import CorruptFileError
 from tangentlens.hooks.sites import Site
 
 STUDY_COLUMNS = list(results.COLUMNS)
@@ -24,7 +25,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def synthetic_results(
     n_layers: int = 3, n_heads: int = 4, steps: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 24)
 ) -> pd.DataFrame:
-    """A study-shaped table (tangentlens.results) with planted trends: the energy ratio
+    """A study-shaped table (tangentlens.core.results) with planted trends: the energy ratio
     falls over training, removing Q_T beats a control, the weighted centre is negative."""
     rng = np.random.default_rng(0)
     n, k = len(steps), max(2, round(0.3 * len(steps)))

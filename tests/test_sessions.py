@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from models import tl_bridge, tokens
 
-from tangentlens.errors import UsageError
+from tangentlens.core.errors import UsageError
 from tangentlens.probes import fit_bases, probe, run
 
 OPTS = {"n_controls": 20}

@@ -17,11 +17,13 @@ from typing import Any
 
 import pytest
 
-import tangentlens.train as train_module
-from tangentlens import cli, settings, workflows
+import tangentlens.data.train as train_module
+from tangentlens.cli import commands as cli
+from tangentlens.cli import workflows
+from tangentlens.core import settings
+from tangentlens.data.train import TrainConfig
 from tangentlens.probes import registry
 from tangentlens.study import StudyConfig
-from tangentlens.train import TrainConfig
 
 # the real functions (the tests replace them in their modules with stubs)
 PROBE_MODEL, RUN_STUDY, DEMO = workflows.probe_model, workflows.run_study, workflows.demo

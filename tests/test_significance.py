@@ -7,20 +7,20 @@ import numpy as np
 import pytest
 import torch
 
-from tangentlens import controls as C
-from tangentlens import metrics as M
-from tangentlens.errors import ExchangeabilityWarning, UsageError
-from tangentlens.significance import (
+from tangentlens.core import controls as C
+from tangentlens.core import metrics as M
+from tangentlens.core.errors import ExchangeabilityWarning, UsageError
+from tangentlens.core.significance import (
     delta_iso_tangent,
     energy_ratio,
     energy_test,
     isotropy_test,
     tangent_tests,
 )
-from tangentlens.stats import Moments
-from tangentlens.subspace import TangentBasis, complement, normal_controls
+from tangentlens.core.stats import Moments
+from tangentlens.core.subspace import TangentBasis, complement, normal_controls
 
-pytestmark = pytest.mark.filterwarnings("ignore::tangentlens.errors.ExchangeabilityWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::tangentlens.core.errors.ExchangeabilityWarning")
 
 
 def _basis(d, k, gen):

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangentlens.errors import CorruptFileError, UsageError
-from tangentlens.stats import Moments, batch_statistics, gram_dtype, state_dtype
+from tangentlens.core.errors import CorruptFileError, UsageError
+from tangentlens.core.stats import Moments, batch_statistics, gram_dtype, state_dtype
 
 
 def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +186,7 @@ def test_all_reduce_without_distributed_is_noop():
 
 
 def test_shared_batch_reuses_only_the_same_unchanged_memory():
-    from tangentlens.stats import SharedBatch
+    from tangentlens.core.stats import SharedBatch
 
     shared = SharedBatch()
     x = torch.randn(2, 5, 3)

@@ -17,16 +17,18 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tangentlens import checkpoints, models, results
-from tangentlens.errors import CorruptFileError
-from tangentlens.files import load_tensors, save_tensors
+from tangentlens import models
+from tangentlens.core import results
+from tangentlens.core.errors import CorruptFileError
+from tangentlens.core.files import load_tensors, save_tensors
+from tangentlens.data import checkpoints
+from tangentlens.data.train import TrainConfig, train
 from tangentlens.hooks.sites import Site
 from tangentlens.probes import run
 from tangentlens.probes.bases import BasisSet
 from tangentlens.study import Study, StudyConfig, collect
 from tangentlens.study.collect import PART_KEY, load_part
 from tangentlens.study.config import open_series
-from tangentlens.train import TrainConfig, train
 
 D_MODEL, N_LAYERS = 32, 2  # TrainConfig.tiny()
 
@@ -188,7 +190,7 @@ def test_table_columns_windows_and_statistics(study):
 
 def test_every_statistic_is_catalogued(study):
     """Each name of the study's table has a catalogue entry that lists its probe."""
-    from tangentlens.catalogue import STATISTICS
+    from tangentlens.core.catalogue import STATISTICS
 
     _, out, table = study
     on_disk = results.read(out)
@@ -280,7 +282,7 @@ def test_files_bases_and_manifest(study, series_dir):
 
 
 def test_depth_profile_reads_a_checkpoint_slice(study):
-    from tangentlens.depth import DepthProfile
+    from tangentlens.analysis.depth import DepthProfile
 
     _, _, frame = study
     one = frame[(frame["step"] == 24) & ((frame["rank"] == 4) | frame["rank"].isna())]

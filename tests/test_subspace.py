@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangentlens.controls import draw_frames
-from tangentlens.errors import CorruptFileError, UsageError
-from tangentlens.files import save_tensors
-from tangentlens.stats import Moments
-from tangentlens.subspace import (
+from tangentlens.core.controls import draw_frames
+from tangentlens.core.errors import CorruptFileError, UsageError
+from tangentlens.core.files import save_tensors
+from tangentlens.core.stats import Moments
+from tangentlens.core.subspace import (
     TangentBasis,
     chance_overlap,
     complement,
@@ -242,7 +242,7 @@ def test_unreadable_basis_files_are_corrupt_file_errors(tmp_path):
 def test_atomic_files_get_ordinary_permissions(tmp_path):
     import os
 
-    from tangentlens.files import write_text
+    from tangentlens.core.files import write_text
 
     path = write_text(tmp_path / "report.html", "<html></html>")
     umask = os.umask(0)

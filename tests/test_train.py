@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
-from tangentlens import train as train_module
-from tangentlens.errors import CorruptFileError
-from tangentlens.files import tensor_hash
-from tangentlens.train import TrainConfig, checkpoint_steps, train
+from tangentlens.core.errors import CorruptFileError
+from tangentlens.core.files import tensor_hash
+from tangentlens.data import train as train_module
+from tangentlens.data.train import TrainConfig, checkpoint_steps, train
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tangentlens.json")
 MASKED = TrainConfig.tiny(objective="masked", dropout=0.1)  # dropout: the RNG matters
@@ -153,7 +153,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, kill_after):
     out = tmp_path / "killed"
     script = (
         "import json, sys\n"
-        "from tangentlens.train import TrainConfig, train\n"
+        "from tangentlens.data.train import TrainConfig, train\n"
         "train(TrainConfig.from_dict(json.loads(sys.argv[1])), sys.argv[2], progress=False)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

@@ -6,12 +6,12 @@ import pytest
 import torch
 from scipy import stats
 
-from tangentlens import metrics as M
-from tangentlens.errors import UsageError
-from tangentlens.significance import tangent_tests
-from tangentlens.stats import Moments
-from tangentlens.subspace import TangentBasis, complement
-from tangentlens.uncertainty import jackknife_interval, share_intervals, tangent_intervals
+from tangentlens.core import metrics as M
+from tangentlens.core.errors import UsageError
+from tangentlens.core.significance import tangent_tests
+from tangentlens.core.stats import Moments
+from tangentlens.core.subspace import TangentBasis, complement
+from tangentlens.core.uncertainty import jackknife_interval, share_intervals, tangent_intervals
 
 D, K, RHO, GROUPS = 16, 3, 0.8, 10
 

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from tangentlens import cli, corpus
-from tangentlens.errors import UsageError
+from tangentlens.cli import commands as cli
+from tangentlens.core.errors import UsageError
+from tangentlens.core.validation import check_seq_len, check_window_fraction
+from tangentlens.data import corpus
+from tangentlens.data.train import TrainConfig
 from tangentlens.study.config import StudyConfig
-from tangentlens.train import TrainConfig
-from tangentlens.validation import check_seq_len, check_window_fraction
 
 
 @pytest.mark.parametrize("bad", [1, 0, -3, 2.0, "16", True, None])

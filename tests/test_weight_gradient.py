@@ -13,13 +13,13 @@ import torch
 from helpers import hook_counts
 from models import hf_model, padded_batch, tl_bridge, tokens
 
-from tangentlens.errors import UsageError
+from tangentlens.core.errors import UsageError
+from tangentlens.core.significance import energy_ratio, matrix_tests, tangent_tests
+from tangentlens.core.stats import Moments
+from tangentlens.core.subspace import TangentBasis, tangent_share
 from tangentlens.hooks import INPUT_KINDS, Site, get_backend
 from tangentlens.hooks.huggingface import unwrap
 from tangentlens.probes import WeightGradientProbe, fit_bases, lm_loss, probe, run
-from tangentlens.significance import energy_ratio, matrix_tests, tangent_tests
-from tangentlens.stats import Moments
-from tangentlens.subspace import TangentBasis, tangent_share
 
 nnsight = pytest.importorskip("nnsight")
 

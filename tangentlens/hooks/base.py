@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from ..decompose import AttentionParams
+from ..core.decompose import AttentionParams
 from .sites import Site
 
 __all__ = [

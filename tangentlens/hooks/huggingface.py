@@ -19,8 +19,8 @@ from einops import rearrange
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as _llama_rotary
 
-from ..decompose import AttentionParams, NormParams, RotaryFn
-from ..errors import UsageError
+from ..core.decompose import AttentionParams, NormParams, RotaryFn
+from ..core.errors import UsageError
 
 __all__ = [
     "first_tensor",

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .sites import KINDS
 
 __all__ = ["Layout", "input_linears", "layout", "submodule"]

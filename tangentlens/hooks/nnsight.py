@@ -33,9 +33,9 @@ import nnsight
 import torch
 from torch import Tensor, nn
 
-from ..decompose import AttentionParams
-from ..errors import UsageError
-from ..stats import Moments
+from ..core.decompose import AttentionParams
+from ..core.errors import UsageError
+from ..core.stats import Moments
 from .base import ModuleHandle, TensorFn, embedding_leaf, register_backend
 from .huggingface import (
     first_tensor,

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 __all__ = [
     "INPUT_KINDS",

@@ -30,8 +30,8 @@ from transformer_lens.model_bridge import TransformerBridge
 from transformer_lens.model_bridge.sources.native.model import NativeAttention
 from transformers import AutoConfig
 
-from ..decompose import AttentionParams, NormParams
-from ..errors import UsageError
+from ..core.decompose import AttentionParams, NormParams
+from ..core.errors import UsageError
 from .base import TensorFn, embedding_leaf, register_backend
 from .huggingface import norm_from_module, params_from_hf
 from .sites import KINDS, Site, missing_site_error

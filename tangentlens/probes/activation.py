@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import UsageError
+from ..core.errors import UsageError
+from ..core.stats import Moments, state_dtype
+from ..core.validation import check_int
 from ..hooks.sites import Site
-from ..stats import Moments, state_dtype
-from ..validation import check_int
 from .base import Observation, Probe, row
 from .bases import site_order
 from .registry import Plan, ProbeSpec, register

@@ -1,6 +1,6 @@
 """Attention probe: per-head statistics of the score split TT + TN + NT + NN + bias.
 
-The maths lives in `tangentlens.decompose`; the backends read each layer's
+The maths lives in `tangentlens.core.decompose`; the backends read each layer's
 `AttentionParams`. Here:
 
 - :class:`AttentionAccumulator`: streaming, mergeable per-head statistics of the terms
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..decompose import (
+from ..core.decompose import (
     TERMS,
     AttentionParams,
     ScoreSplit,
@@ -38,13 +38,13 @@ from ..decompose import (
     random_share_std,
     z_gram,
 )
-from ..errors import CorruptFileError, UsageError
+from ..core.errors import CorruptFileError, UsageError
+from ..core.settings import HEAD_NULL
+from ..core.subspace import TangentBasis, normal_controls, shares
+from ..core.validation import check_int
 from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
 from ..hooks.transformer_lens import norm_from_bridge, params_from_bridge
-from ..settings import HEAD_NULL
-from ..subspace import TangentBasis, normal_controls, shares
-from ..validation import check_int
 from .base import Observation, Probe, Sum, row
 from .bases import warn_basis_sites
 from .registry import Plan, ProbeSpec, register

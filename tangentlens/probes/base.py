@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..errors import CorruptFileError, UsageError
+from ..core.errors import CorruptFileError, UsageError
+from ..core.results import row  # the probes' row builder, here beside the protocol they follow
+from ..core.stats import Moments, SharedBatch
 from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
-from ..results import row  # the probes' row builder, here beside the protocol they follow
-from ..stats import Moments, SharedBatch
 
 __all__ = [
     "Mergeable",

@@ -8,11 +8,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import BasisSiteWarning, CorruptFileError, UsageError
-from ..files import load_tensors, save_tensors
+from ..core.errors import BasisSiteWarning, CorruptFileError, UsageError
+from ..core.files import load_tensors, save_tensors
+from ..core.stats import Moments
+from ..core.subspace import TangentBasis
 from ..hooks.sites import KINDS, Site
-from ..stats import Moments
-from ..subspace import TangentBasis
 
 __all__ = ["BasisSet", "as_bases", "site_order", "warn_basis_sites"]
 

@@ -18,14 +18,14 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..batches import as_batches, draw_masked, iter_batches, unpack_batch, vocabulary_size
-from ..compute import site_map
-from ..errors import UnstableBasisWarning, UsageError
-from ..files import tensor_hash
+from ..core.compute import site_map
+from ..core.errors import UnstableBasisWarning, UsageError
+from ..core.files import tensor_hash
+from ..core.stats import Moments, state_dtype
+from ..core.subspace import TangentBasis, near_chance, split_half_overlap
 from ..hooks.base import get_backend
 from ..hooks.sites import INPUT_KINDS, RESIDUAL_KINDS, NamesFilter, Site
-from ..stats import Moments, state_dtype
-from ..subspace import TangentBasis, near_chance, split_half_overlap
+from ..models.batches import as_batches, draw_masked, iter_batches, unpack_batch, vocabulary_size
 from ..version import __version__
 from .base import first_equal
 from .bases import BasisSet
@@ -188,7 +188,7 @@ def run(
 
     ``batches``: ``(batch, pos)`` token-id tensors, dicts with ``input_ids`` and
     ``attention_mask``, text (a string or a list of strings, read with the model's
-    tokenizer) or an iterable of those (`tangentlens.batches`). Without the gradient
+    tokenizer) or an iterable of those (`tangentlens.models.batches`). Without the gradient
     probe: one forward under ``no_grad``.
     With it: the loss, then gradients with respect to the embedding output only (model
     parameters' ``.grad`` are left untouched). ``loss``: ``"lm"`` (the summed next-token
@@ -253,7 +253,7 @@ def fit_bases(
     every layer). The returned `BasisSet` keeps the Moments in ``.moments``; each basis
     records ``split_half_overlap`` (bases fitted on the even and on the odd batches) in its
     provenance, and an `UnstableBasisWarning` names the sites where that is near chance.
-    ``memory="compact"`` keeps the d×d Moments in float32 (`tangentlens.stats`): three sets
+    ``memory="compact"`` keeps the d×d Moments in float32 (`tangentlens.core.stats`): three sets
     (the two halves and their merge) of 4d² bytes per site instead of 8d².
     """
     if (rank is None) == (variance is None):

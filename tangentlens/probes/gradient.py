@@ -1,7 +1,7 @@
 """Gradient probe: gradient `Moments` of the loss at residual sites, tested against Q_T.
 
 Backward hooks collect, per site, the Moments of ∂loss/∂x (padding masked out). The
-tests run on those d × d statistics (`tangentlens.significance`), so a thousand
+tests run on those d × d statistics (`tangentlens.core.significance`), so a thousand
 matched-rank controls cost matrix algebra, not another pass:
 
 - from `energy_test`: ``tangent_share`` (gradient energy in Q_T), ``chance_share``,
@@ -13,12 +13,12 @@ matched-rank controls cost matrix algebra, not another pass:
 - from `isotropy_test`: ``delta_iso_tangent`` and ``delta_iso_normal`` (change of
   IsoScore* when Q_T, or a normal control, is projected out) and ``isotropy_p_value``.
   IsoScore* is shrunk by ``zeta`` toward the reference a study uses
-  (`tangentlens.significance.pooled_shape`), from a pool of this one checkpoint: the
+  (`tangentlens.core.significance.pooled_shape`), from a pool of this one checkpoint: the
   reference is then the gradients' own covariance, so a probe session and a study of
   one checkpoint give one number (ζ has no effect there).
 
 Intervals: ``ci_low``/``ci_high`` (95 %) for ``tangent_share``, ``energy_ratio`` and
-``normalized_ratio`` come from a delete-a-group jackknife (`tangentlens.uncertainty`)
+``normalized_ratio`` come from a delete-a-group jackknife (`tangentlens.core.uncertainty`)
 over ``n_groups`` groups of whole sequences (forward pass i goes to group i mod G). Per
 site and group it keeps four float64 sums, Σ‖gQ_T‖², Σ‖g‖² and the same of the
 activations: 4·G floats, whatever d. With fewer than two groups seen the interval is NaN.
@@ -44,15 +44,15 @@ from typing import Any
 
 import torch
 
-from ..compute import site_map
-from ..errors import UsageError
+from ..core.compute import site_map
+from ..core.errors import UsageError
+from ..core.settings import N_CONTROLS, ZETA
+from ..core.significance import energy_ratio, pooled_shape, reference_at, tangent_tests
+from ..core.stats import Moments, state_dtype
+from ..core.subspace import TangentBasis
+from ..core.uncertainty import share_intervals
+from ..core.validation import check_int
 from ..hooks.sites import RESIDUAL_KINDS, Site
-from ..settings import N_CONTROLS, ZETA
-from ..significance import energy_ratio, pooled_shape, reference_at, tangent_tests
-from ..stats import Moments, state_dtype
-from ..subspace import TangentBasis
-from ..uncertainty import share_intervals
-from ..validation import check_int
 from .base import Observation, Probe, Sum, ci_columns, first_equal, row, sites_bar
 from .registry import Plan, ProbeSpec, register
 from .residual import amplification_rows, energy_sums

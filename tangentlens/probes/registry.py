@@ -18,10 +18,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UsageError
+from ..core.errors import UsageError
+from ..core.subspace import TangentBasis
 from ..hooks.base import Backend
 from ..hooks.sites import Site
-from ..subspace import TangentBasis
 from .base import Probe
 
 __all__ = ["Plan", "ProbeSpec", "get", "names", "option_defaults", "register"]

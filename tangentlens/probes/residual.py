@@ -17,7 +17,7 @@ further into Q_T: that is where the bias amplifies.
 **Intervals.** The state is float64 sums (Σ‖x‖², Σ‖x Q_T‖², n) per site and per group of
 whole sequences (forward pass i goes to group i mod ``n_groups``), so batch splits and
 merges give the same numbers as one pass and no activation is kept. ``tangent_share``
-and ``share_ratio`` get a delete-a-group jackknife interval (`tangentlens.uncertainty`).
+and ``share_ratio`` get a delete-a-group jackknife interval (`tangentlens.core.uncertainty`).
 
 **Amplification.** ``share_amplification`` at a residual site of layer l is
 share_ratio[l] / share_ratio[p], p the previous layer this probe measures at the same
@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import UsageError
+from ..core.errors import UsageError
+from ..core.subspace import TangentBasis, shares
+from ..core.uncertainty import jackknife_interval, share_intervals
+from ..core.validation import check_int
 from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site
-from ..subspace import TangentBasis, shares
-from ..uncertainty import jackknife_interval, share_intervals
-from ..validation import check_int
 from .base import Observation, Probe, Sum, ci_columns, row
 from .registry import Plan, ProbeSpec, register
 

@@ -26,19 +26,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..compute import threads as compute_threads
-from ..errors import UsageError
+from ..core.compute import threads as compute_threads
+from ..core.errors import UsageError
+from ..core.results import frame
+from ..core.stats import Moments, SharedBatch, state_dtype
+from ..core.subspace import TangentBasis
+from ..core.validation import check_int
 from ..hooks.base import Backend, Handle, get_backend
-from ..hooks.sites import (
-    NamesFilter,
-    Site,
-    missing_site_error,
-    select_sites,
-)
-from ..results import frame
-from ..stats import Moments, SharedBatch, state_dtype
-from ..subspace import TangentBasis
-from ..validation import check_int
+from ..hooks.sites import NamesFilter, Site, missing_site_error, select_sites
 from . import registry, weight_gradient  # noqa: F401 (each probe module registers its probe)
 from .activation import ActivationProbe
 from .attention import AttentionProbe
@@ -82,7 +77,7 @@ class ProbeSession:
     ``leaves``: set to a list to collect the embedding outputs (made leaves requiring
     grad) of every forward, to take gradients with respect to them (`run` does).
     ``memory``: ``"full"`` (float64 d×d state) or ``"compact"`` (float32, and the
-    gradient probe keeps no activation `Moments`), for d ≥ 2048 (`tangentlens.stats`).
+    gradient probe keeps no activation `Moments`), for d ≥ 2048 (`tangentlens.core.stats`).
     """
 
     def __init__(
@@ -402,13 +397,13 @@ class ProbeSession:
         threads: int | None = None,
         progress: bool = True,
     ) -> Any:
-        """The long results table (`tangentlens.results`): one row per number, ``head``
+        """The long results table (`tangentlens.core.results`): one row per number, ``head``
         <NA> except for per-head attention statistics; with tags, one block of rows per
         tag (``tag=`` / ``step=`` select one). Raises `UsageError` when the session saw no
         forward pass, no backward pass where gradients were asked, or lost its hooks.
 
         ``threads``: torch/BLAS threads for the tests' d × d algebra (None: as they are;
-        1 helps on a busy CPU, see `tangentlens.compute`); ``progress``: a
+        1 helps on a busy CPU, see `tangentlens.core.compute`); ``progress``: a
         bar over the sites when the tests take more than a couple of seconds."""
         self._check_seen()
         for p in self.probes.values():

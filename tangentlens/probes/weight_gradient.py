@@ -18,7 +18,7 @@ maps at ``mlp_in``. S is tested like a gradient second moment (`significance.mat
 
 Intervals: with ``n_groups`` ≥ 2, S is kept per group of sequences (forward pass i joins
 group i mod G, or the session's ``group_of``) and ``tangent_share`` / ``energy_ratio``
-get 95 % delete-a-group jackknife intervals (`tangentlens.uncertainty`). Memory per site:
+get 95 % delete-a-group jackknife intervals (`tangentlens.core.uncertainty`). Memory per site:
 (G + 1)·8d² + 8d bytes (the activation `Moments` and G sums), or half that with
 ``memory="compact"`` (float32 state).
 
@@ -38,15 +38,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import UsageError
+from ..core.errors import UsageError
+from ..core.settings import N_CONTROLS
+from ..core.significance import energy_ratio, matrix_tests
+from ..core.stats import Moments, gram_dtype, state_dtype, unit_scale
+from ..core.subspace import TangentBasis, tangent_share
+from ..core.uncertainty import jackknife_interval
+from ..core.validation import check_int
 from ..hooks.base import Backend, Handle, ModuleHandle
 from ..hooks.sites import INPUT_KINDS, Site
-from ..settings import N_CONTROLS
-from ..significance import energy_ratio, matrix_tests
-from ..stats import Moments, gram_dtype, state_dtype, unit_scale
-from ..subspace import TangentBasis, tangent_share
-from ..uncertainty import jackknife_interval
-from ..validation import check_int
 from .base import Observation, Probe, Sum, ci_columns, row, sites_bar
 from .registry import Plan, ProbeSpec, register
 

@@ -1,5 +1,5 @@
 """Figures, the summary against the paper, and a self-contained HTML report from a
-long results table (`tangentlens.results`).
+long results table (`tangentlens.core.results`).
 
 >>> from tangentlens import report
 >>> report.write_report("runs/study", "runs/study/report.html")   # a study's folder

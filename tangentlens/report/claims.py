@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptFileError
+from ..core.errors import CorruptFileError
 from .table import PAPER
 
 __all__ = ["OBJECTS", "Claim", "Estimate"]

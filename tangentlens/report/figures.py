@@ -19,9 +19,9 @@ from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 from matplotlib.transforms import blended_transform_factory
 
-from ..depth import DepthProfile, plot_profiles
-from ..errors import UsageError
-from ..heads import head_arrays
+from ..analysis.depth import DepthProfile, plot_profiles
+from ..analysis.heads import head_arrays
+from ..core.errors import UsageError
 from .table import (
     ALPHA,
     CENTRES,

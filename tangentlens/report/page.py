@@ -20,9 +20,9 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from .. import results
-from ..files import read_json, write_bytes, write_text
-from ..results import frame
+from ..core import results
+from ..core.files import read_json, write_bytes, write_text
+from ..core.results import frame
 from .claims import Claim
 from .figures import Rendered, render_figures
 from .summary import SummaryRow, summary
@@ -148,7 +148,7 @@ def sub_tables(folder: Path) -> list[str]:
 
 
 def load_results(path: str | Path) -> pd.DataFrame:
-    """A results folder's table (`tangentlens.results.read`) and its `sub_tables`, each
+    """A results folder's table (`tangentlens.core.results.read`) and its `sub_tables`, each
     read with the same strict reader (a file path: that table alone)."""
     path = Path(path)
     table = results.read(path)

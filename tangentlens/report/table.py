@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..errors import UsageError
-from ..results import frame, select
+from ..core.errors import UsageError
+from ..core.results import frame, select
 
 __all__ = [
     "ALPHA",

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from ..results import select
+from ..core.results import select
 from .claims import OBJECTS, Claim, Estimate
 
 __all__ = ["paper_claims"]

@@ -24,17 +24,13 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .. import results
-from ..embedding_geometry import frequency_distance, update_split
-from ..errors import UnstableBasisWarning
-from ..hooks.sites import INPUT_KINDS, RESIDUAL_KINDS, WRITE_KINDS, Site
-from ..metrics import effective_rank, isoscore, participation_ratio, twonn_dimension
-from ..probes.bases import BasisSet
-from ..probes.residual import write_basis_site
-from ..probes.weight_gradient import matrix_intervals
-from ..significance import matrix_tests, pooled_shape, reference_at, tangent_tests
-from ..stats import Moments
-from ..subspace import (
+from ..analysis.embedding_geometry import frequency_distance, update_split
+from ..core import results
+from ..core.errors import UnstableBasisWarning
+from ..core.metrics import effective_rank, isoscore, participation_ratio, twonn_dimension
+from ..core.significance import matrix_tests, pooled_shape, reference_at, tangent_tests
+from ..core.stats import Moments
+from ..core.subspace import (
     TangentBasis,
     near_chance,
     shares,
@@ -42,7 +38,11 @@ from ..subspace import (
     subspace_overlap,
     tangent_share,
 )
-from ..uncertainty import tangent_intervals
+from ..core.uncertainty import tangent_intervals
+from ..hooks.sites import INPUT_KINDS, RESIDUAL_KINDS, WRITE_KINDS, Site
+from ..probes.bases import BasisSet
+from ..probes.residual import write_basis_site
+from ..probes.weight_gradient import matrix_intervals
 from ..version import __version__
 from .collect import Part
 from .config import StudyConfig
@@ -383,7 +383,7 @@ def analyse(
         notes.append(
             f"k/d up to {max(cfg.ranks)}/{d}: normal controls are not exchangeable with Q_T, "
             "so p_value_normal and isotropy_p_value_normal are anti-conservative; p_value "
-            "and isotropy_p_value (uniform controls) are exact (see tangentlens.significance)."
+            "and isotropy_p_value (uniform controls) are exact (see tangentlens.core.significance)."
         )
     info = {
         "library": f"tangentlens {__version__}",

@@ -26,20 +26,20 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .. import corpus
-from ..batches import check_tokens
-from ..distributed import all_reduce_session, check_parent, shard
-from ..errors import CorruptFileError, UsageError
-from ..files import check_safetensors, config_digest, load_tensors, save_tensors, tensor_hash
+from ..core.errors import CorruptFileError, UsageError
+from ..core.files import check_safetensors, config_digest, load_tensors, save_tensors, tensor_hash
+from ..core.stats import Moments
+from ..data import corpus
 from ..hooks.base import get_backend
 from ..hooks.huggingface import is_causal
 from ..hooks.sites import INPUT_KINDS, WRITE_KINDS, Site
-from ..models import quiet_transformers
+from ..models.batches import check_tokens
+from ..models.loading import quiet_transformers
 from ..probes.activation import FixedSample
 from ..probes.base import Observation, Probe
+from ..probes.distributed import all_reduce_session, check_parent, shard
 from ..probes.driver import lm_loss, masked_positions, mlm_loss, run
 from ..probes.weight_gradient import WeightGradientProbe
-from ..stats import Moments
 from .config import StudyConfig, open_series, threads
 
 __all__ = [

@@ -10,14 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoints import CheckpointSeries
-from ..compute import threads
-from ..errors import UsageError
-from ..files import dataclass_from_dict
-from ..hooks.sites import RESIDUAL_KINDS
-from ..models import is_hub_id
-from ..settings import HEAD_NULL, STUDY, ZETA
-from ..validation import (
+from ..core.compute import threads
+from ..core.errors import UsageError
+from ..core.files import dataclass_from_dict
+from ..core.settings import HEAD_NULL, STUDY, ZETA
+from ..core.validation import (
     BACKENDS,
     CONTROLS,
     check_encoding,
@@ -26,6 +23,9 @@ from ..validation import (
     check_window_fraction,
     is_int,
 )
+from ..data.checkpoints import CheckpointSeries
+from ..hooks.sites import RESIDUAL_KINDS
+from ..models.loading import is_hub_id
 
 __all__ = ["StudyConfig", "open_series", "threads"]
 
@@ -34,7 +34,7 @@ __all__ = ["StudyConfig", "open_series", "threads"]
 class StudyConfig:
     """Everything that determines a study's results (``progress`` aside).
 
-    The defaults of the settings `tangentlens study` offers are `tangentlens.settings.STUDY`
+    The defaults of the settings `tangentlens study` offers are `tangentlens.core.settings.STUDY`
     (the command line shows the same values).
     """
 

@@ -18,10 +18,10 @@ from typing import Any
 import pandas as pd
 from torch import Tensor
 
-from .. import results
+from ..core import results
+from ..core.subspace import TangentBasis
 from ..hooks.sites import Site
 from ..probes.driver import run
-from ..subspace import TangentBasis
 from .config import StudyConfig
 
 __all__ = ["HeadPass"]

@@ -10,7 +10,7 @@
    (`analyse.fit_bases`, ``bases/``), and every later checkpoint's heads pass
    (`heads.HeadPass`) runs on the model its collection loaded.
 3. **Analysis** (`analyse.analyse`): from the parts and bases alone, deterministic:
-   ``results.csv`` / ``results.json`` (schema: `tangentlens.results`) and
+   ``results.csv`` / ``results.json`` (schema: `tangentlens.core.results`) and
    ``manifest.json``; `Study.run` returns the table it wrote (and keeps the manifest in
    `Study.manifest`), so nothing is read back.
 
@@ -23,7 +23,7 @@ With ``world_size > 1`` the worker processes collect and this process loads each
 checkpoint once more for the heads.
 
 Every file is written atomically, by one writer: the run holds the folder's lock
-(`tangentlens.files.lock_folder`) and refuses a folder that another command or another
+(`tangentlens.core.files.lock_folder`) and refuses a folder that another command or another
 configuration made. Whatever it reuses is verified first: the probe set and each part
 carry the settings (and probe-set hash) that made them, and are made again, never
 trusted, when those differ (a folder whose record was deleted).
@@ -39,10 +39,9 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
-from .. import results
-from ..distributed import launch
-from ..errors import UsageError
-from ..files import (
+from ..core import results
+from ..core.errors import UsageError
+from ..core.files import (
     FolderLock,
     lock_folder,
     read_json,
@@ -50,7 +49,8 @@ from ..files import (
     tensor_hash,
     write_json,
 )
-from ..validation import check_int
+from ..core.validation import check_int
+from ..probes.distributed import launch
 from .analyse import analyse, fit_bases
 from .collect import (
     PROBE_FILE,

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..significance import delta_iso_tangent, energy_ratio
-from ..stats import Moments
-from ..subspace import TangentBasis, tangent_share
-from ..uncertainty import jackknife_interval
+from ..core.significance import delta_iso_tangent, energy_ratio
+from ..core.stats import Moments
+from ..core.subspace import TangentBasis, tangent_share
+from ..core.uncertainty import jackknife_interval
 
 __all__ = ["WindowSummary"]
 

@@ -17,8 +17,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .errors import UsageError
-from .subspace import TangentBasis
+from ..core.errors import UsageError
+from ..core.subspace import TangentBasis
 
 __all__ = ["frequency_buckets", "frequency_distance", "update_split"]
 

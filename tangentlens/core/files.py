@@ -33,8 +33,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from ..version import __version__
 from .errors import CorruptFileError, MissingFileError, UsageError
-from .version import __version__
 
 __all__ = [
     "LOCK_FILE",

@@ -23,7 +23,7 @@ ci_low        float64   lower end of its 95 % interval over tokens, where there 
 ci_high       float64   upper end
 ============  ========  ===========================================================
 
-Every ``statistic`` is a name in `tangentlens.catalogue` (docs/STATISTICS.md): `write`
+Every ``statistic`` is a name in `tangentlens.core.catalogue` (docs/STATISTICS.md): `write`
 refuses a table with a name the catalogue lacks; `frame` and `read` take any name.
 
 One writer (`write`: CSV and JSON, atomically), one reader (`read`: strict, a damaged
@@ -121,8 +121,8 @@ def _missing(value: Any) -> bool:
 def write(table: pd.DataFrame, folder: str | Path, name: str = "results") -> tuple[Path, Path]:
     """Write ``folder/{name}.csv`` and ``.json`` atomically; returns both paths.
 
-    A statistic missing from `tangentlens.catalogue` is a `UsageError` naming it, and
-    nothing is written (register it with ``tangentlens.catalogue.register``)."""
+    A statistic missing from `tangentlens.core.catalogue` is a `UsageError` naming it, and
+    nothing is written (register it with ``tangentlens.core.catalogue.register``)."""
     table = frame(table)
     catalogue.check_names(table["statistic"].unique(), f"writing {Path(folder) / name}")
     folder = Path(folder)

@@ -29,11 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .batches import draw_masked
-from .checkpoints import METADATA_FILE, quiet_transformers
-from .corpus import encode, load_lines, token_batches
-from .errors import CorruptFileError, UsageError
-from .files import (
+from ..core.errors import CorruptFileError, UsageError
+from ..core.files import (
     FolderLock,
     atomic_folder,
     dataclass_from_dict,
@@ -45,9 +42,12 @@ from .files import (
     tensor_hash,
     write_json,
 )
-from .settings import TRAIN
-from .validation import check_encoding, check_seq_len, is_int
-from .version import __version__
+from ..core.settings import TRAIN
+from ..core.validation import check_encoding, check_seq_len, is_int
+from ..models.batches import draw_masked
+from ..version import __version__
+from .checkpoints import METADATA_FILE, quiet_transformers
+from .corpus import encode, load_lines, token_batches
 
 __all__ = ["TrainConfig", "checkpoint_steps", "train"]
 
@@ -77,7 +77,7 @@ def checkpoint_steps(max_steps: int, last_log_step: int = 512, every: int = 1000
 class TrainConfig:
     """Everything that determines a training run (the run is a function of this).
 
-    The defaults of the settings `tangentlens train` offers are `tangentlens.settings.TRAIN`.
+    The defaults of the settings `tangentlens train` offers are `tangentlens.core.settings.TRAIN`.
     """
 
     corpus: str | None = TRAIN.corpus.default  # text file, folder of .txt, or None: the KJV

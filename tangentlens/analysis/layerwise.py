@@ -28,17 +28,17 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from torch import Tensor
 
-from . import results
-from .batches import as_batches, unpack_batch
-from .errors import UsageError
-from .hooks.base import get_backend
-from .hooks.sites import Site
-from .probes.activation import Reservoir
-from .probes.base import Observation, Probe
-from .probes.bases import as_bases
-from .probes.driver import run
-from .subspace import TangentBasis
-from .validation import check_int
+from ..core import results
+from ..core.errors import UsageError
+from ..core.subspace import TangentBasis
+from ..core.validation import check_int
+from ..hooks.base import get_backend
+from ..hooks.sites import Site
+from ..models.batches import as_batches, unpack_batch
+from ..probes.activation import Reservoir
+from ..probes.base import Observation, Probe
+from ..probes.bases import as_bases
+from ..probes.driver import run
 
 __all__ = ["COMPONENTS", "LABELS", "layerwise_probe", "plot_layerwise"]
 

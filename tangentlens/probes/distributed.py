@@ -33,9 +33,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-from .errors import CorruptFileError, UsageError
-from .probes.driver import run
-from .validation import check_int, is_int
+from ..core.errors import CorruptFileError, UsageError
+from ..core.validation import check_int, is_int
+from .driver import run
 
 __all__ = ["all_reduce_session", "check_parent", "free_port", "launch", "run_probe", "shard"]
 

@@ -5,7 +5,7 @@ model's checkpoints), `run_study` (the study over a series), `render_report` and
 (a decoder and an encoder, all of it, offline).
 Each takes keyword options and a ``log`` callable for its one-line progress messages; the
 CLI passes ``print``. Each command that writes a folder holds it as its one writer for the
-whole run (`tangentlens.files.lock_folder`) and writes only into a folder that it made
+whole run (`tangentlens.core.files.lock_folder`) and writes only into a folder that it made
 with the same configuration, or an empty one.
 """
 
@@ -21,25 +21,11 @@ from typing import Any
 import pandas as pd
 from torch import Tensor
 
-from . import results
-from .batches import check_tokens, context_length
-from .corpus import encode, load_lines
-from .distributed import run_probe
-from .errors import MissingFileError, UsageError
-from .files import lock_folder, read_json, remove_stale_temporaries, write_json
-from .hooks.base import get_backend
-from .hooks.sites import Site
-from .models import is_hub_id, load, quiet_transformers
-from .probes.bases import BasisSet
-from .probes.driver import fit_bases, run
-from .report import write_overview, write_report
-from .report.claims import Claim
-from .report.page import is_report
-from .report.verdicts import paper_claims
-from .settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY
-from .study import Study, StudyConfig
-from .train import TrainConfig, train
-from .validation import (
+from ..core import results
+from ..core.errors import MissingFileError, UsageError
+from ..core.files import lock_folder, read_json, remove_stale_temporaries, write_json
+from ..core.settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY
+from ..core.validation import (
     check_backend,
     check_encoding,
     check_int,
@@ -47,7 +33,21 @@ from .validation import (
     check_seq_len,
     is_int,
 )
-from .version import __version__
+from ..data.corpus import encode, load_lines
+from ..data.train import TrainConfig, train
+from ..hooks.base import get_backend
+from ..hooks.sites import Site
+from ..models.batches import check_tokens, context_length
+from ..models.loading import is_hub_id, load, quiet_transformers
+from ..probes.bases import BasisSet
+from ..probes.distributed import run_probe
+from ..probes.driver import fit_bases, run
+from ..report import write_overview, write_report
+from ..report.claims import Claim
+from ..report.page import is_report
+from ..report.verdicts import paper_claims
+from ..study import Study, StudyConfig
+from ..version import __version__
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -169,7 +169,7 @@ def probe_model(
     """One model: fit bases, run the probes, write ``results.csv/json``, ``bases/``,
     ``manifest.json`` and ``report.html`` into ``out``, a folder only this probe (same
     model and options) writes. Returns ``(table, report)``. Defaults:
-    `tangentlens.settings.PROBE` (what `tangentlens probe` shows)."""
+    `tangentlens.core.settings.PROBE` (what `tangentlens probe` shows)."""
     settings = {
         "model": _local(name),
         "backend": check_backend(backend),

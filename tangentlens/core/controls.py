@@ -1,5 +1,5 @@
 """Random matched-rank frames and their traces in one site's coordinates: the Monte-Carlo
-controls of `tangentlens.significance`, kept apart from the tests that read them.
+controls of `tangentlens.core.significance`, kept apart from the tests that read them.
 
 A control is a Haar-random k-frame F. Every quantity the tests need is ``tr(FᵀMF)``,
 ``tr(FᵀM²F)`` or ``‖FᵀMF‖²_F`` for a symmetric d × d M. `SiteFrames` takes one
@@ -43,7 +43,7 @@ the cost of float64 (the reduction and the tangent statistics stay float64)."""
 def draw_frames(dim: int, k: int, n: int, seed: int, *, exact: bool = False) -> Tensor:
     """``(n, dim, k)`` Haar-random orthonormal k-frames of R^dim, from ``seed``: the one
     sampler of random matched-rank frames (the tests' controls here, and through
-    `tangentlens.subspace.normal_controls` / `uniform_controls` the attention probe's head
+    `tangentlens.core.subspace.normal_controls` / `uniform_controls` the attention probe's head
     null and the interventions' null), so one seed means one set of frames everywhere.
 
     Each frame is Q = Z·R⁻¹ for a Gaussian Z = QR with R's diagonal positive (Haar).

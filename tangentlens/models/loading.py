@@ -53,10 +53,10 @@ from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from .errors import CorruptFileError, HubUnavailableError, MissingFileError, UsageError
-from .files import atomic_folder, check_safetensors, read_json
-from .validation import check_backend
-from .version import __version__
+from ..core.errors import CorruptFileError, HubUnavailableError, MissingFileError, UsageError
+from ..core.files import atomic_folder, check_safetensors, read_json
+from ..core.validation import check_backend
+from ..version import __version__
 
 __all__ = [
     "KNOWN_MODELS",

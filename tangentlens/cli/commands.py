@@ -7,7 +7,7 @@
     tangentlens report DIR                          re-render report.html from saved results
 
 Imports stay inside the commands so ``tangentlens --help`` answers without loading torch.
-Every default and its help text come from `tangentlens.settings`, the records the API's
+Every default and its help text come from `tangentlens.core.settings`, the records the API's
 signatures and config dataclasses read too.
 Mistakes a person can make end in one line on stderr that names the fix and exit code 2;
 set ``TANGENTLENS_DEBUG=1`` to see the traceback instead.
@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from . import __version__
-from .errors import CorruptFileError, UsageError
-from .settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY, TRAIN, Setting, shown
-from .validation import BACKENDS, CONTROLS, check_seq_len, check_window_fraction
+from .. import __version__
+from ..core.errors import CorruptFileError, UsageError
+from ..core.settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY, TRAIN, Setting, shown
+from ..core.validation import BACKENDS, CONTROLS, check_seq_len, check_window_fraction
 
 __all__ = ["build_parser", "main"]
 
@@ -118,7 +118,7 @@ def _step_range(text: str) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- commands
-# Each command imports `tangentlens.workflows` when it runs (torch, transformers and the
+# Each command imports `tangentlens.cli.workflows` when it runs (torch, transformers and the
 # model libraries behind it take seconds to import), so ``--help`` answers at once.
 def _say(line: str) -> None:
     print(line, flush=True)
@@ -126,8 +126,8 @@ def _say(line: str) -> None:
 
 def cmd_probe(args: argparse.Namespace) -> int:
     """One checkpoint: fit bases, run the probes, write tables, figures and a report."""
+    from ..report import format_summary, summary
     from . import workflows
-    from .report import format_summary, summary
 
     out = Path(args.out).expanduser()
     options = {k: v for k, v in vars(args).items() if k not in ("func", "quiet", "command")}
@@ -155,8 +155,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train the small model and save its checkpoint series."""
+    from ..data.train import train
     from . import workflows
-    from .train import train
 
     out = Path(args.out).expanduser()
     config = workflows.train_config(
@@ -175,8 +175,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_study(args: argparse.Namespace) -> int:
     """Run the training-dynamics study over a checkpoint series and write the report."""
+    from ..report import format_summary, summary
     from . import workflows
-    from .report import format_summary, summary
 
     ranks = args.rank or []
     config = workflows.study_config(

@@ -24,16 +24,16 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from . import results
-from .batches import as_batches, unpack_batch
-from .decompose import AttentionParams
-from .errors import UsageError
-from .hooks.base import Backend, get_backend
-from .hooks.sites import NamesFilter, Site, select_sites
-from .probes.bases import as_bases
-from .probes.driver import lm_loss
-from .subspace import TangentBasis, uniform_controls
-from .validation import check_int
+from ..core import results
+from ..core.decompose import AttentionParams
+from ..core.errors import UsageError
+from ..core.subspace import TangentBasis, uniform_controls
+from ..core.validation import check_int
+from ..hooks.base import Backend, get_backend
+from ..hooks.sites import NamesFilter, Site, select_sites
+from ..models.batches import as_batches, unpack_batch
+from ..probes.bases import as_bases
+from ..probes.driver import lm_loss
 
 __all__ = ["PARTS", "ablate", "causal_effects", "head_effects", "keep_terms"]
 

@@ -7,7 +7,7 @@ random k-frame in the complement of Q_T (the paper's control). It is a closed fo
 it does not depend on the controls, the seed or their number.
 
 Gram trick. Both tests read only d×d statistics: a control costs O(d·k²), never
-another pass over tokens (`tangentlens.controls`: one tridiagonal reduction per site
+another pass over tokens (`tangentlens.core.controls`: one tridiagonal reduction per site
 serves both tests and both kinds of controls, since the energy test's second moment is the
 covariance plus the mean's outer product and the isotropy test's covariance is the same
 matrix scaled by n/(n − 1)). At d = 576, k = 16, 1,000 controls, one thread (CPU time,

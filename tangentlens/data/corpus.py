@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import MissingFileError, UsageError
-from .files import read_text_file
-from .validation import check_seq_len
+from ..core.errors import MissingFileError, UsageError
+from ..core.files import read_text_file
+from ..core.validation import check_seq_len
 
 __all__ = [
     "TokenBatches",

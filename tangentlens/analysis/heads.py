@@ -23,7 +23,7 @@ import pandas as pd
 from matplotlib.colors import SymLogNorm
 from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
-from .errors import UsageError
+from ..core.errors import UsageError
 
 __all__ = ["TERM_PANELS", "HeadArrays", "head_arrays", "plot_heads"]
 

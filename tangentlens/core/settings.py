@@ -1,7 +1,7 @@
 """The settings the command line offers: one default and one help text each, no torch.
 
-`tangentlens.study.StudyConfig`, `tangentlens.train.TrainConfig` and the workflow
-functions (`tangentlens.workflows.probe_model`, `run_study`) take their defaults from these
+`tangentlens.study.StudyConfig`, `tangentlens.data.train.TrainConfig` and the workflow
+functions (`tangentlens.cli.workflows.probe_model`, `run_study`) take their defaults from these
 records, and `tangentlens.cli` reads the same records for its argparse defaults and its
 help, so a default cannot differ between the API, the command line and ``--help`` (which
 answers without importing torch). Each group's field names are the API's parameter names;

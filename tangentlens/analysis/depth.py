@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
-from .errors import UsageError
+from ..core.errors import UsageError
 
 __all__ = ["DepthProfile", "plot_profiles"]
 

@@ -17,7 +17,7 @@ below). Each site's numbers are then those of one thread, whatever the schedulin
 
 `top_eigh` computes only the top eigenpairs (LAPACK's MRRR, ``dsyevr``) for `fit_bases`;
 `tridiagonalize` and `tridiagonal_apply` (``dsytrd``, then the reflectors applied by
-``torch.ormqr``) give the coordinates of the controls (`tangentlens.controls`). They are
+``torch.ormqr``) give the coordinates of the controls (`tangentlens.core.controls`). They are
 called through scipy's and torch's own wrappers, which are maintained and tested with
 those libraries, rather than through pointer code of this package's own. scipy's wrappers
 hold the GIL for the whole call, so two workers' ``dsyevr`` or ``dsytrd`` take turns; the

@@ -2,13 +2,13 @@
 
 Three sources give the same :class:`CheckpointSeries`:
 
-* the folder written by :func:`tangentlens.train.train` (``step{N}`` subfolders with
+* the folder written by :func:`tangentlens.data.train.train` (``step{N}`` subfolders with
   ``tangentlens.json`` metadata) or any folder of HF checkpoints named ``step{N}`` /
   ``checkpoint-{N}``: :meth:`CheckpointSeries.from_folder`;
 * hub revisions such as Pythia's ``step{N}`` branches (needs internet):
   :meth:`CheckpointSeries.from_hub`.
 
-Every loaded checkpoint is hashed (:func:`tangentlens.files.tensor_hash` of its state
+Every loaded checkpoint is hashed (:func:`tangentlens.core.files.tensor_hash` of its state
 dict); a step whose weights equal an earlier step's is flagged (public Pythia
 branches are known to serve duplicated weights).
 """
@@ -27,11 +27,11 @@ from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
-from . import models
-from .errors import CorruptFileError, MissingFileError, UsageError
-from .files import check_safetensors, read_json, tensor_hash
-from .models import TOKENIZER_FILES, check_model_folder, quiet_transformers
-from .validation import check_window_fraction
+from ..core.errors import CorruptFileError, MissingFileError, UsageError
+from ..core.files import check_safetensors, read_json, tensor_hash
+from ..core.validation import check_window_fraction
+from ..models import loading as models
+from ..models.loading import TOKENIZER_FILES, check_model_folder, quiet_transformers
 
 __all__ = [
     "Checkpoint",

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import UsageError
-from .validation import check_int
+from ..core.errors import UsageError
+from ..core.validation import check_int
 
 __all__ = [
     "as_batches",

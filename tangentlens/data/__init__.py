@@ -1,0 +1,1 @@
+"""Data and training: the corpus, the small models trained here, checkpoint series."""
