@@ -136,3 +136,22 @@ def test_study_on_two_processes_equals_one(tiny_run, tmp_path):
         one.drop(columns="value"), two.drop(columns="value"), check_exact=False
     )
     pd.testing.assert_series_equal(one["value"], two["value"], rtol=TOL, atol=TOL)
+
+
+def test_a_registered_probe_runs_on_two_processes(tiny_run, monkeypatch):
+    """A probe defined in a test reaches spawned workers as its `ProbeSpec`."""
+    from test_registry import TOY
+
+    from tangentlens.probes import fit_bases, registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    torch.set_num_threads(1)
+    factory = functools.partial(_nnsight_model, str(tiny_run / "step24"))
+    g = torch.Generator().manual_seed(2)
+    batches = list(torch.randint(0, 300, (4, 3, 16), generator=g))
+    bases = fit_bases(factory(), batches, rank=4, sites=["blocks.1.hook_resid_pre"], progress=False)
+    one = run_probe(factory, batches, bases, (TOY,), world_size=1, scale=3.0)
+    two = run_probe(factory, batches, bases, (TOY,), world_size=2, scale=3.0)
+    assert set(one["probe"]) == {"toy_norm", "basis"}
+    mine = [t[t["probe"] == "toy_norm"].reset_index(drop=True) for t in (one, two)]
+    pd.testing.assert_series_equal(mine[0]["value"], mine[1]["value"], rtol=TOL, atol=TOL)

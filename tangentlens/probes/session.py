@@ -67,9 +67,9 @@ class ProbeSession:
 
     Use as a context manager (`probe`); read `results` afterwards (or inside). Each
     probe is a `tangentlens.probes.base.Probe` in ``self.probes`` (name → probe).
-    ``probes`` mixes registered names (`tangentlens.probes.registry`) and your own
-    `Probe` objects. ``**options`` are the registered probes' own options, with their
-    probe class's defaults (``n_controls``: random frames per gradient test;
+    ``probes`` mixes registered names (`tangentlens.probes.registry`), `ProbeSpec`s
+    (registered here) and your own `Probe` objects. ``**options`` are the registered probes'
+    own options, with their probe class's defaults (``n_controls``: random frames per gradient test;
     ``head_null``: random frames behind each head's null, 0 turns it off;
     ``reservoir``: activation sample per site); an option no probe takes is an error.
     ``seed`` seeds every probe's random frames. ``group_of(i)`` gives
@@ -98,14 +98,24 @@ class ProbeSession:
         state_dtype(memory)  # a bad mode fails here, before any probe is built
         self.memory = memory
         self.model = model
-        chosen = (probes,) if isinstance(probes, str | Probe) else tuple(probes)
+        single = str | Probe | registry.ProbeSpec
+        chosen = (probes,) if isinstance(probes, single) else tuple(probes)
+        for spec in chosen:
+            if isinstance(spec, registry.ProbeSpec):
+                # a spec travels where a name would not (a spawned worker of
+                # `distributed.run_probe` has only the built-in registrations)
+                registry.register(spec)
         own = [p for p in chosen if isinstance(p, Probe)]
-        names = tuple(p for p in chosen if not isinstance(p, Probe))
+        names = tuple(
+            p.name if isinstance(p, registry.ProbeSpec) else p
+            for p in chosen
+            if not isinstance(p, Probe)
+        )
         unknown = [p for p in names if p not in registry.names()]
         if unknown or not chosen:
             raise UsageError(
-                f"probes must be a non-empty mix of names in {registry.names()} (registered) and "
-                f"Probe objects; got {probes!r}."
+                f"probes must be a non-empty mix of names in {registry.names()} (registered), "
+                f"ProbeSpec and Probe objects; got {probes!r}."
             )
         known = registry.option_defaults()
         stray = sorted(set(options) - set(known))
