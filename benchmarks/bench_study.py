@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 
 from tangentlens.cli.workflows import study_config
-from tangentlens.hooks.huggingface import is_causal
+from tangentlens.hooks.families import is_causal
 from tangentlens.models import quiet_transformers
 from tangentlens.probes.driver import lm_loss, mlm_loss
 from tangentlens.study import collect

@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from tangentlens.hooks.huggingface import unwrap
+from tangentlens.hooks.families import unwrap
 
 
 def hook_counts(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -18,7 +18,8 @@ from tangentlens.core.decompose import decompose_scores
 from tangentlens.core.errors import UnstableBasisWarning, UsageError
 from tangentlens.core.subspace import TangentBasis
 from tangentlens.hooks import Site, get_backend
-from tangentlens.hooks.huggingface import is_causal, norm_from_hf
+from tangentlens.hooks.families import is_causal
+from tangentlens.hooks.huggingface import norm_from_hf
 from tangentlens.hooks.transformer_lens import boot_bridge
 from tangentlens.probes import fit_bases, mlm_loss, run
 

@@ -21,7 +21,7 @@ from tangentlens.core.decompose import head_write_energies, random_share_std, z_
 from tangentlens.core.errors import BasisSiteWarning, UsageError
 from tangentlens.core.subspace import TangentBasis, uniform_controls
 from tangentlens.hooks.base import get_backend
-from tangentlens.hooks.layouts import layout
+from tangentlens.hooks.families import layout
 from tangentlens.probes.attention import WRITE_STATISTICS, score_terms
 
 D, LAYER, K = 32, 1, 4

@@ -18,7 +18,7 @@ from tangentlens.core.significance import energy_ratio, matrix_tests, tangent_te
 from tangentlens.core.stats import Moments
 from tangentlens.core.subspace import TangentBasis, tangent_share
 from tangentlens.hooks import INPUT_KINDS, Site, get_backend
-from tangentlens.hooks.huggingface import unwrap
+from tangentlens.hooks.families import unwrap
 from tangentlens.probes import WeightGradientProbe, fit_bases, lm_loss, probe, run
 
 nnsight = pytest.importorskip("nnsight")

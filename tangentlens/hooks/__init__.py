@@ -1,8 +1,9 @@
 """Where the model is touched: sites, the backend protocol, and its backends.
 
 Importing this package registers the built-in backends (TransformerLens, nnsight), so
-`get_backend` knows them; `tangentlens.hooks.huggingface` reads plain HF modules and
-`tangentlens.hooks.layouts` says where each site lives in their blocks.
+`get_backend` knows them; `tangentlens.hooks.families` says what each model family is
+(its layout, causality, what the bridge boots), `tangentlens.hooks.layouts` where each
+site lives in its blocks and `tangentlens.hooks.huggingface` reads plain HF modules.
 """
 
 from . import nnsight, transformer_lens

@@ -1,9 +1,9 @@
-"""Hugging Face modules: causality and attention parameters.
+"""Hugging Face modules: attention and norm parameters.
 
-Shared by the nnsight backend and by anything else that reads plain HF models: whether
-the model masks causally (`is_causal`) and what the score decomposition needs from an
-attention module (`params_from_hf`, `norm_from_hf`, `hf_attention_module`). Where each
-`Site` lives in a block: `tangentlens.hooks.layouts`.
+Shared by both backends and by anything else that reads plain HF models: what the score
+decomposition needs from an attention module (`params_from_hf`, `norm_from_hf`,
+`output_weight_from_hf`). What a family is (its layout, causality, the HF model inside a
+wrapper, where a block keeps its attention): `tangentlens.hooks.families`.
 """
 
 from __future__ import annotations
@@ -21,62 +21,16 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as _ll
 
 from ..core.decompose import AttentionParams, NormParams, RotaryFn
 from ..core.errors import UsageError
+from .families import hf_attention_module, unwrap
 
 __all__ = [
     "first_tensor",
     "hf_attention_module",
-    "is_causal",
     "norm_from_hf",
     "norm_from_module",
     "output_weight_from_hf",
     "params_from_hf",
-    "unwrap",
 ]
-
-# model types whose attention is bidirectional unless the config says is_decoder
-_ENCODERS = frozenset(
-    [
-        "albert",
-        "bert",
-        "camembert",
-        "deberta",
-        "deberta-v2",
-        "distilbert",
-        "electra",
-        "eurobert",
-        "modernbert",
-        "mpnet",
-        "nomic_bert",
-        "roberta",
-        "xlm-roberta",
-        "xlm-roberta-xl",
-    ]
-)
-
-
-def is_causal(model: Any) -> bool:
-    """Whether a Hugging Face model masks attention causally, from its config and class:
-    ``config.is_decoder`` (causal), ``use_bidirectional_attention`` (not), an encoder
-    ``model_type`` or a ``...ForMaskedLM`` class (not), else the attention module's own
-    ``is_causal``; causal when nothing says otherwise. Never from the block layout (a
-    bidirectional EuroBERT looks like Llama)."""
-    hf = unwrap(model)
-    config = getattr(hf, "config", None)
-    if getattr(config, "is_decoder", False):
-        return True
-    if getattr(config, "use_bidirectional_attention", False):
-        return False
-    names = [type(hf).__name__, *(getattr(config, "architectures", None) or [])]
-    if getattr(config, "model_type", "") in _ENCODERS or any(
-        n.endswith("ForMaskedLM") for n in names
-    ):
-        return False
-    try:
-        attn, _ = hf_attention_module(hf, 0)
-    except UsageError:
-        return True
-    flag = getattr(attn, "is_causal", getattr(getattr(attn, "self", None), "is_causal", True))
-    return bool(flag)
 
 
 def first_tensor(value: Any, where: str) -> Tensor:
@@ -337,45 +291,6 @@ def _require_rotary(module: nn.Module, rotary_emb: nn.Module | None) -> RotaryFn
     if list(inspect.signature(apply).parameters)[:3] == ["tensor", "sin", "cos"]:  # GPT-J
         return _gptj_rotary(rotary_emb, apply, getattr(module, "rotary_dim", None))
     return _hf_rotary(rotary_emb, apply, _layer_type(module))
-
-
-def unwrap(model: Any) -> nn.Module:
-    """The torch module inside an nnsight ``NNsight``/``LanguageModel`` or ``Envoy``."""
-    inner = model if isinstance(model, nn.Module) else getattr(model, "_module", None)
-    if not isinstance(inner, nn.Module):
-        raise TypeError(
-            f"expected a torch module or an nnsight wrapper; got {type(model).__name__}."
-        )
-    return inner
-
-
-def hf_attention_module(model: Any, layer: int) -> tuple[nn.Module, nn.Module | None]:
-    """``(attention_module, rotary_emb)`` of ``layer`` in a Hugging Face model.
-
-    The module's first input (``hidden_states``) is the exact input to its q/k
-    projections: capture it there for :func:`decompose_scores`. ``rotary_emb`` is the
-    model-level rotary module or None. Accepts an nnsight wrapper too.
-    """
-    hf = unwrap(model)
-    base = getattr(hf, "base_model", hf)
-    layers = None
-    for path in ("h", "layers", "encoder.layer", "decoder.layers"):
-        obj: Any = base
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if isinstance(obj, nn.ModuleList):
-            layers = obj
-            break
-    if layers is None:
-        raise UsageError(f"cannot find the layer list of {type(hf).__name__}.")
-    if not 0 <= layer < len(layers):
-        raise UsageError(f"layer must be in [0, {len(layers)}); got {layer}.")
-    block = layers[layer]
-    for attr in ("attn", "self_attn", "attention"):
-        attn = getattr(block, attr, None)
-        if isinstance(attn, nn.Module):
-            return attn, getattr(base, "rotary_emb", None)
-    raise UsageError(f"cannot find the attention module of {type(block).__name__}.")
 
 
 def norm_from_hf(model: Any, layer: int) -> NormParams:

@@ -1,6 +1,7 @@
-"""Hugging Face block layouts: where each `Site` lives in a block (`layout`) and which
-linear maps read it (`input_linears`). Plain modules, no model code; used by the nnsight
-backend (`tangentlens.hooks.nnsight`) and `tangentlens.hooks.huggingface`.
+"""Hugging Face block layouts: where each `Site` lives in a block (`Layout`) and which
+linear maps read it (`input_linears`). Plain data, no model code and no dispatch: each
+family's `FamilySpec` (`tangentlens.hooks.families`) names its layout, and
+`families.layout` finds a model's.
 
 Site → HF module (``in`` = the module's first input, ``out`` = its first output), matching
 TransformerLens 4.x bridges of the same weights where one boots:
@@ -62,7 +63,19 @@ from torch import nn
 from ..core.errors import UsageError
 from .sites import KINDS
 
-__all__ = ["Layout", "input_linears", "layout", "submodule"]
+__all__ = [
+    "BERT",
+    "GEMMA3",
+    "GPT2",
+    "GPTJ",
+    "LLAMA",
+    "MODERNBERT",
+    "OLMO2",
+    "Layout",
+    "input_linears",
+    "neox",
+    "submodule",
+]
 
 # (module path relative to the block, "in" | "out") per site kind, per block layout.
 _Where = tuple[str, str]
@@ -98,7 +111,7 @@ def _block(attn_in: _Where, attn_out: _Where, mid: str, mlp_in: _Where, mlp_out:
     return sites if mid else {k: v for k, v in sites.items() if k != "resid_mid"}
 
 
-_GPT2 = Layout(
+GPT2 = Layout(
     "h",
     ("wte", "out"),
     _block(("ln_1", "out"), ("attn", "out"), "ln_2", ("ln_2", "out"), ("mlp", "out")),
@@ -108,7 +121,7 @@ _GPT2 = Layout(
 )
 
 # GPT-J: one norm feeds attention and the MLP side by side (parallel block)
-_GPTJ = Layout(
+GPTJ = Layout(
     "h",
     ("wte", "out"),
     _block(("ln_1", "out"), ("attn", "out"), "", ("mlp", "in"), ("mlp", "out")),
@@ -120,7 +133,7 @@ _GPTJ = Layout(
 _NEOX_LINEARS = {"attn_in": ("attention.query_key_value",), "mlp_in": ("mlp.dense_h_to_4h",)}
 
 
-def _neox(parallel: bool) -> Layout:
+def neox(parallel: bool) -> Layout:
     mid = "" if parallel else "post_attention_layernorm"
     sites = _block(
         ("input_layernorm", "out"),
@@ -133,7 +146,7 @@ def _neox(parallel: bool) -> Layout:
     return Layout("layers", ("embed_in", "out"), sites, order, _NEOX_LINEARS, "attention.dense")
 
 
-_LLAMA = Layout(
+LLAMA = Layout(
     "layers",
     ("embed_tokens", "out"),
     _block(
@@ -148,7 +161,7 @@ _LLAMA = Layout(
     "self_attn.o_proj",
 )
 
-_GEMMA = Layout(
+GEMMA3 = Layout(
     "layers",
     ("embed_tokens", "out"),
     _block(
@@ -163,7 +176,7 @@ _GEMMA = Layout(
     "self_attn.o_proj",
 )
 
-_OLMO2 = Layout(
+OLMO2 = Layout(
     "layers",
     ("embed_tokens", "out"),
     _block(
@@ -178,7 +191,7 @@ _OLMO2 = Layout(
     "self_attn.o_proj",
 )
 
-_MODERNBERT = Layout(
+MODERNBERT = Layout(
     "layers",
     ("embeddings", "out"),
     _block(("attn", "in"), ("attn", "out"), "mlp_norm", ("mlp_norm", "out"), ("mlp", "out")),
@@ -187,7 +200,7 @@ _MODERNBERT = Layout(
     "attn.Wo",
 )
 
-_BERT = Layout(
+BERT = Layout(
     "encoder.layer",
     ("embeddings", "out"),
     {
@@ -210,49 +223,6 @@ _BERT = Layout(
 
 def submodule(module: nn.Module, path: str) -> nn.Module:
     return module.get_submodule(path) if path else module
-
-
-def _has(block: nn.Module, *names: str) -> bool:
-    return all(isinstance(getattr(block, n, None), nn.Module) for n in names)
-
-
-def layout(hf: nn.Module) -> tuple[Layout, nn.Module]:
-    """The block layout of a Hugging Face model and its base model (the layer stack)."""
-    base = getattr(hf, "base_model", hf)
-    config = getattr(hf, "config", None)
-    model_type = getattr(config, "model_type", "")
-    h = getattr(base, "h", None)
-    if hasattr(base, "wte") and isinstance(h, nn.ModuleList) and len(h):
-        return (_GPT2 if _has(h[0], "ln_2") else _GPTJ), base
-    if model_type == "gpt_neox" or hasattr(base, "embed_in"):
-        return _neox(bool(getattr(config, "use_parallel_residual", True))), base
-    encoder = getattr(base, "encoder", None)
-    if hasattr(base, "embeddings") and isinstance(getattr(encoder, "layer", None), nn.ModuleList):
-        return _BERT, base
-    layers = getattr(base, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers):
-        block = layers[0]
-        if hasattr(base, "embeddings") and _has(block, "attn_norm", "attn", "mlp_norm", "mlp"):
-            return _MODERNBERT, base
-        pre, pre_ff, post_ff = (
-            _has(block, n)
-            for n in ("input_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-        )
-        if hasattr(base, "embed_tokens") and _has(
-            block, "self_attn", "mlp", "post_attention_layernorm"
-        ):
-            if pre and pre_ff and post_ff:
-                return _GEMMA, base
-            if pre and not (pre_ff or post_ff):
-                return _LLAMA, base
-            if post_ff and not (pre or pre_ff):
-                return _OLMO2, base
-    raise UsageError(
-        f"the nnsight backend does not know the layout of {type(hf).__name__} "
-        f"(model_type {model_type!r}): supported are GPT-2, GPT-J, GPT-NeoX, Llama-style "
-        "(Llama, Qwen, Mistral, OLMo, EuroBERT), Gemma 3, OLMo 2, ModernBERT and BERT-style "
-        "encoders. Load it as a TransformerLens bridge instead (tangentlens.models.load(...))."
-    )
 
 
 def input_linears(

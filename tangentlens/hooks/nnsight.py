@@ -19,7 +19,8 @@ models. Two ways in:
   Importing this module registers ``tangentlens`` with ``nnsight.register``, so
   that code ships by value (an NDIF server has no tangentlens installed).
 
-The site of each kind in each supported block layout: `tangentlens.hooks.layouts`.
+The site of each kind in each supported block layout: `tangentlens.hooks.layouts`; which
+family a model is: `tangentlens.hooks.families`.
 """
 
 from __future__ import annotations
@@ -37,15 +38,9 @@ from ..core.decompose import AttentionParams
 from ..core.errors import UsageError
 from ..core.stats import Moments
 from .base import ModuleHandle, TensorFn, embedding_leaf, register_backend
-from .huggingface import (
-    first_tensor,
-    hf_attention_module,
-    is_causal,
-    output_weight_from_hf,
-    params_from_hf,
-    unwrap,
-)
-from .layouts import input_linears, layout, submodule
+from .families import hf_attention_module, is_causal, layout, unwrap
+from .huggingface import first_tensor, output_weight_from_hf, params_from_hf
+from .layouts import input_linears, submodule
 from .sites import KINDS, Site
 
 __all__ = ["NNsightBackend", "is_nnsight_model", "moments_from_saved", "trace_moments"]
@@ -249,7 +244,7 @@ def _envoy_at(root: Any, path: str) -> Any:
 
 
 def _base_path(model: Any, base: nn.Module) -> str:
-    for name, module in model._module.named_modules():
+    for name, module in unwrap(model).named_modules():
         if module is base:
             return name
     raise UsageError("the base model is not part of the wrapped module.")

@@ -33,6 +33,7 @@ from transformers import AutoConfig
 from ..core.decompose import AttentionParams, NormParams
 from ..core.errors import UsageError
 from .base import TensorFn, embedding_leaf, register_backend
+from .families import family_of, is_causal, unwrap
 from .huggingface import norm_from_module, params_from_hf
 from .sites import KINDS, Site, missing_site_error
 
@@ -155,7 +156,7 @@ class TransformerLensBackend:
 
     @property
     def causal(self) -> bool:
-        return getattr(self.cfg, "attention_dir", "causal") == "causal"
+        return is_causal(self.model)
 
     def sites(self) -> list[Site]:
         return list(self._points)
@@ -193,8 +194,7 @@ class TransformerLensBackend:
         return _TLHandle(hook_point, direction, lens_handle)
 
     def watch_inputs(self, fn: Callable[[Tensor | None], None]) -> _TorchHandle:
-        root = getattr(self.model, "original_model", None)
-        root = root if isinstance(root, nn.Module) else self.model
+        root = unwrap(self.model)
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             mask = kwargs.get("attention_mask")
@@ -316,7 +316,7 @@ def _bridge_rotary_emb(model: Any) -> nn.Module | None:
     """The bridge's rotary module, else the wrapped HF model's (GPT-J's bridge has none)."""
     rot = getattr(model, "rotary_emb", None)
     if rot is None:
-        original = getattr(model, "original_model", None)
+        original = unwrap(model)
         rot = getattr(getattr(original, "base_model", original), "rotary_emb", None)
     if rot is None:
         return None
@@ -375,24 +375,41 @@ def is_transformer_lens(model: Any) -> bool:
 def boot_bridge(name_or_path: str, **kwargs: Any) -> Any:
     """``TransformerBridge.boot_transformers(name_or_path, **kwargs)``, in eval mode.
 
-    What the bridge cannot boot (EuroBERT and ModernBERT on TransformerLens 4.3) is a
-    one-line `UsageError` naming the backend that runs it: nnsight on the plain
-    Hugging Face model, with eager attention so its patterns can be checked.
+    What the bridge cannot boot is a one-line `UsageError` naming the backend that runs
+    it: nnsight on the plain Hugging Face model, with eager attention so its patterns can
+    be checked. A family the registry marks as not bootable (`FamilySpec.bridge`) is
+    refused before TransformerLens is asked, so the caller never sees its own error.
     """
+    config = getattr(kwargs.get("hf_model"), "config", None)
+    if config is None:
+        config = _config(name_or_path, kwargs.get("revision"))
+    family = family_of(config) if config is not None else None
+    if family is not None and not family.bridge:
+        raise _unbootable(name_or_path, config)
     try:
         return TransformerBridge.boot_transformers(name_or_path, **kwargs).eval()
     except ValueError as err:
         if "supported architecture" not in str(err):
             raise
-        try:
-            arch = ", ".join(AutoConfig.from_pretrained(name_or_path).architectures or [])
-        except (OSError, ValueError):
-            arch = "its architecture"
-        raise UsageError(
-            f"TransformerLens cannot boot {name_or_path} ({arch}) as a bridge; use the nnsight "
-            "backend: nnsight.NNsight(AutoModelFor...from_pretrained(name_or_path, "
-            "attn_implementation='eager'))."
-        ) from None
+        raise _unbootable(name_or_path, config) from None
+
+
+def _config(name_or_path: str, revision: str | None) -> Any:
+    """The HF config of a folder or hub id, or None where it cannot be read (TransformerLens
+    then reports that itself)."""
+    try:
+        return AutoConfig.from_pretrained(name_or_path, revision=revision)
+    except (OSError, ValueError):
+        return None
+
+
+def _unbootable(name_or_path: str, config: Any) -> UsageError:
+    arch = ", ".join(getattr(config, "architectures", None) or []) or "its architecture"
+    return UsageError(
+        f"TransformerLens cannot boot {name_or_path} ({arch}) as a bridge; use the nnsight "
+        "backend: tangentlens.models.load(name, backend='nnsight'), or nnsight.NNsight("
+        "AutoModelFor...from_pretrained(name_or_path, attn_implementation='eager'))."
+    )
 
 
 register_backend("transformer_lens", is_transformer_lens, TransformerLensBackend)

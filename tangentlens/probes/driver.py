@@ -24,6 +24,7 @@ from ..core.files import tensor_hash
 from ..core.stats import Moments, state_dtype
 from ..core.subspace import TangentBasis, near_chance, split_half_overlap
 from ..hooks.base import get_backend
+from ..hooks.families import unwrap
 from ..hooks.sites import INPUT_KINDS, RESIDUAL_KINDS, NamesFilter, Site
 from ..models.batches import as_batches, draw_masked, iter_batches, unpack_batch, vocabulary_size
 from ..version import __version__
@@ -73,9 +74,8 @@ def _logits(out: Any, what: str) -> Tensor:
 
 
 def _hf(model: Any) -> Any:
-    """The Hugging Face model of a bridge (its wrapped model) or an nnsight model, or
-    ``model`` itself."""
-    return getattr(model, "original_model", None) or getattr(model, "_module", None) or model
+    """The Hugging Face model inside ``model``, or ``model`` itself where it wraps none."""
+    return unwrap(model, strict=False)
 
 
 def _has_lm_head(hf: Any) -> bool:

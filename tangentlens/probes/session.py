@@ -33,6 +33,7 @@ from ..core.stats import Moments, SharedBatch, state_dtype
 from ..core.subspace import TangentBasis
 from ..core.validation import check_int
 from ..hooks.base import Backend, Handle, get_backend
+from ..hooks.families import unwrap
 from ..hooks.sites import NamesFilter, Site, missing_site_error, select_sites
 from . import registry, weight_gradient  # noqa: F401 (each probe module registers its probe)
 from .activation import ActivationProbe
@@ -491,7 +492,7 @@ def probe(
 
 def _model_name(model: Any) -> str:
     """The wrapped Hugging Face class (and its name or path), for messages."""
-    inner = getattr(model, "original_model", None) or getattr(model, "_module", None) or model
+    inner = unwrap(model, strict=False)
     path = getattr(getattr(inner, "config", None), "name_or_path", "")
     return f"{type(inner).__name__} ({path})" if path else type(inner).__name__
 

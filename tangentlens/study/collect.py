@@ -31,7 +31,7 @@ from ..core.files import check_safetensors, config_digest, load_tensors, save_te
 from ..core.stats import Moments
 from ..data import corpus
 from ..hooks.base import get_backend
-from ..hooks.huggingface import is_causal
+from ..hooks.families import is_causal
 from ..hooks.sites import INPUT_KINDS, WRITE_KINDS, Site
 from ..models.batches import check_tokens
 from ..models.loading import quiet_transformers
