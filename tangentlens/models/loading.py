@@ -49,13 +49,14 @@ import torch
 import transformers
 from huggingface_hub import try_to_load_from_cache
 from safetensors import SafetensorError
-from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from ..core.errors import CorruptFileError, HubUnavailableError, MissingFileError, UsageError
 from ..core.files import atomic_folder, check_safetensors, read_json
 from ..core.validation import check_backend
+from ..hooks.families import is_causal
+from ..hooks.transformer_lens import boot_bridge
 from ..version import __version__
 
 __all__ = [
@@ -129,7 +130,8 @@ class LoadedModel:
         name: the name that was asked for.
         backend: ``"transformer_lens"`` or ``"nnsight"``.
         source: the local folder the weights came from, or the hub id.
-        causal: whether the model is a causal LM (an encoder needs a user loss).
+        causal: whether the model is a decoder (`tangentlens.hooks.families.is_causal`;
+            an encoder needs a user loss).
     """
 
     model: Any
@@ -452,17 +454,12 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     return resolved
 
 
-def _is_causal(config: Any) -> bool:
-    names = getattr(config, "architectures", None) or []
-    return any(n.endswith(("ForCausalLM", "LMHeadModel")) for n in names)
-
-
 def _hf_model(source: str, config: Any, dtype: torch.dtype, device: str) -> Any:
     """The saved architecture class (``config.architectures[0]``), else ``AutoModel``."""
     names = getattr(config, "architectures", None) or []
     cls = getattr(transformers, names[0], None) if names else None
     if cls is None:
-        cls = transformers.AutoModelForCausalLM if _is_causal(config) else transformers.AutoModel
+        cls = transformers.AutoModelForCausalLM if is_causal(config) else transformers.AutoModel
     model = cls.from_pretrained(source, dtype=dtype)
     return model.to(device).eval()
 
@@ -471,12 +468,12 @@ def _load_source(
     source: str, backend: str, dtype: torch.dtype, device: str
 ) -> tuple[Any, Any, bool]:
     config = AutoConfig.from_pretrained(source)
-    causal = _is_causal(config)
+    causal = is_causal(config)
     if backend == "transformer_lens":
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*newly initialized.*")
-            bridge = TransformerBridge.boot_transformers(source, device=device, dtype=dtype)
-        return bridge.eval(), bridge.tokenizer, causal
+            bridge = boot_bridge(source, device=device, dtype=dtype)
+        return bridge, bridge.tokenizer, causal
     hf_model = _hf_model(source, config, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(source)
     return wrap(hf_model, tokenizer, "nnsight", source=source), tokenizer, causal
@@ -494,7 +491,9 @@ def load(
     ``"transformer_lens"`` gives a ``TransformerBridge``
     (``TransformerBridge.boot_transformers``; raw HF weights, eager attention). For an
     encoder without an MLM head (MiniLM) the bridge wraps ``BertForMaskedLM`` whose head is
-    randomly initialised: use hooks and a user loss, not its logits. ``"nnsight"`` gives a
+    randomly initialised: use hooks and a user loss, not its logits. A family the bridge
+    cannot boot (`FamilySpec.bridge`: ModernBERT, EuroBERT) is a `UsageError` naming the
+    nnsight backend, raised before TransformerLens is asked. ``"nnsight"`` gives a
     ``nnsight.TransformersModel`` for causal LMs and ``nnsight.NNsight`` around the saved
     architecture otherwise. Models are in eval mode; ``dtype`` defaults to float32.
     """
@@ -535,14 +534,11 @@ def wrap(
         with warnings.catch_warnings():
             # BERT has submodules named ``output``; nnsight serves them as ``.E_output``.
             warnings.filterwarnings("ignore", message=".*has a submodule named.*")
-            if _is_causal(hf_model.config):
+            if is_causal(hf_model):
                 return nnsight.TransformersModel(
                     hf_model, tokenizer=tokenizer, task="text-generation"
                 )
             return nnsight.NNsight(hf_model)
     with quiet_transformers(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bridge = TransformerBridge.boot_transformers(
-            source, hf_model=hf_model, tokenizer=tokenizer, revision=revision
-        )
-    return bridge.eval()
+        return boot_bridge(source, hf_model=hf_model, tokenizer=tokenizer, revision=revision)
