@@ -11,16 +11,17 @@ from typing import Any
 
 import pytest
 import torch
-from models import hf_folder, hf_model, padded_batch
+from models import BRIDGE_FAMILIES, ENCODERS, FAMILIES, hf_folder, hf_model, padded_batch
 from torch import Tensor, nn
 
 from tangentlens.core.decompose import decompose_scores
 from tangentlens.core.errors import UnstableBasisWarning, UsageError
 from tangentlens.core.subspace import TangentBasis
-from tangentlens.hooks import Site, get_backend
-from tangentlens.hooks.families import is_causal
+from tangentlens.hooks import Site, families, get_backend, layouts
+from tangentlens.hooks.families import FamilySpec, family_of, is_causal, register_family
 from tangentlens.hooks.huggingface import norm_from_hf
 from tangentlens.hooks.transformer_lens import boot_bridge
+from tangentlens.models import loading
 from tangentlens.probes import fit_bases, mlm_loss, run
 
 nnsight = pytest.importorskip("nnsight")
@@ -211,3 +212,72 @@ def test_boot_bridge_names_the_backend_for_what_it_cannot_boot() -> None:
             boot_bridge(str(hf_folder(arch)))
         assert "\n" not in str(err.value)
     assert not boot_bridge(str(hf_folder("qwen3")), device="cpu").training
+
+
+def test_load_refuses_what_the_bridge_cannot_boot_before_transformer_lens_is_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from transformer_lens.model_bridge import TransformerBridge
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("TransformerLens was asked")
+
+    monkeypatch.setattr(TransformerBridge, "boot_transformers", never)
+    for arch in ("eurobert", "modernbert"):
+        with pytest.raises(UsageError) as err:
+            loading.load(str(hf_folder(arch)), backend="transformer_lens")
+        assert "nnsight" in str(err.value) and "\n" not in str(err.value)
+        with pytest.raises(UsageError, match="nnsight"):
+            loading.wrap(hf_model(arch), None, "transformer_lens", source=str(hf_folder(arch)))
+
+
+# ------------------------------------------------------------------ the family registry
+def test_every_family_fact_matches_its_models() -> None:
+    """What each FamilySpec says (causal, bridge, q/k norms, windows) against the tiny
+    models: the registry is the one answer, and it is right for every family tested."""
+    for arch in FAMILIES:
+        model = hf_model(arch, sharp=True)
+        spec = family_of(model)
+        assert spec is not None and family_of(model.config) is spec, arch
+        assert spec.causal == (arch not in ENCODERS) == is_causal(model), arch
+        assert spec.bridge == (arch in BRIDGE_FAMILIES), arch
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            backend = get_backend(nnsight.NNsight(model))
+        params = [backend.attention_params(layer) for layer in range(backend.n_layers)]
+        assert any(p.q_norm is not None for p in params) == spec.qk_norm, arch
+        assert any(p.window is not None for p in params) <= spec.local_windows, arch
+
+
+def test_every_layout_comes_from_a_family() -> None:
+    named = [spec.block_layout(SimpleNamespace()) for spec in families.families()]
+    named.append(layouts.neox(parallel=False))
+    for value in vars(layouts).values():
+        assert not isinstance(value, layouts.Layout) or value in named
+
+
+def test_a_family_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model_type no family lists is recognised by its blocks' shape; one FamilySpec
+    makes it a family of its own, and every question (causality, layout, sites, the
+    bridge) is answered from that spec."""
+    monkeypatch.setattr(families, "_REGISTRY", dict(families._REGISTRY))
+    model = hf_model("llama")
+    model.config.model_type = "toy-llama"
+    sites = get_backend(nnsight.NNsight(model)).sites()
+    assert family_of(model).name == "Llama" and family_of(model.config) is None
+    assert is_causal(model)
+
+    toy = register_family(
+        FamilySpec("Toy", ("toy-llama",), layouts.LLAMA, causal=False, bridge=False)
+    )
+    assert family_of(model) is toy and family_of(model.config) is toy
+    assert not is_causal(model) and not is_causal(model.config)
+    backend = get_backend(nnsight.NNsight(model))
+    assert not backend.causal and not backend.attention_params(0).causal
+    assert backend.sites() == sites
+    with pytest.raises(UsageError, match="nnsight"):
+        boot_bridge(str(hf_folder("llama")), hf_model=model)
+    with pytest.raises(UsageError, match="already belongs to the 'Toy' family"):
+        register_family(FamilySpec("Toy 2", ("toy-llama",), layouts.LLAMA))
+    assert register_family(FamilySpec("Toy", ("toy-llama",), layouts.LLAMA)).causal
+    assert is_causal(model) and [s.name for s in families.families()].count("Toy") == 1
