@@ -286,3 +286,13 @@ def test_overview_shows_each_claim(tmp_path: Path) -> None:
     for verdict in {c.verdict for c in found}:
         assert page.count(f'<td class="{verdict}">') == sum(c.verdict == verdict for c in found)
     assert "early 3 [2, 4]; late 2 [1, 3]; difference -1 [-1.5, -0.5]" in page
+
+
+def test_degenerate_twonn_estimates_are_left_out() -> None:
+    """A TwoNN estimate below 1 measures near-ties, not the cloud: the figure's means skip
+    it and its caption says how many went."""
+    table = synthetic_results()
+    twonn = table.index[table["statistic"] == "twonn_dimension"]
+    table.loc[twonn[:2], "value"] = 0.2
+    _fig, reading = report.FIGURES["intrinsic_dimension"][1](table)
+    assert "2 TwoNN estimates below 1 left out as degenerate" in reading

@@ -252,3 +252,16 @@ def test_strength_against_tau() -> None:
     assert early(1.8, 0.5, tau=1.2).verdict == "suggests agrees"
     with pytest.raises(ValueError, match="tau"):
         report.paper_claims({"decoder": _seed_table(3.0, -1.0)}, tau=1.0)
+
+
+def test_pages_show_each_seed_and_the_panel(tmp_path) -> None:
+    """The pooled verdict first, each seed's number and each window definition beside it."""
+    values = dict(zip(STEPS, RATIOS, strict=True))
+    seeds = {s: _per_checkpoint({k: v + 0.01 * s for k, v in values.items()}, -0.6 - 0.01 * s)
+             for s in range(3)}  # fmt: skip
+    found = report.paper_claims({"decoder": seeds})
+    page = report.write_overview({}, found, tmp_path / "overview.html").read_text()
+    assert "per seed: seed 0 " in page and "windows: steps " in page
+    assert '<td class="window-dependent">' in page
+    text = report.format_summary([report.SummaryRow.of(c) for c in found])
+    assert "      per seed: seed 0" in text and "      windows: steps" in text
