@@ -221,8 +221,9 @@ def _windows(early: tuple[float, float, float], diff: tuple[float, float, float]
     """Window rows of a study (tangentlens.study.windows) for both gradient objects, with
     the frequency-weighted centre's correlation at two checkpoints."""
     rows = []
-    for obj in ("gradient", "weight_gradient"):
-        stat = f"{obj}_energy_ratio"
+    # the weight gradient's claims read its ratio over the random-backprop null
+    for obj, ratio in (("gradient", "energy_ratio"), ("weight_gradient", "normalized_ratio")):
+        stat = f"{obj}_{ratio}"
         late = (early[0] + diff[0], early[1] + diff[0], early[2] + diff[0])
         for window, name, (v, lo, hi) in [
             ("early", stat, early),
@@ -241,36 +242,57 @@ def _windows(early: tuple[float, float, float], diff: tuple[float, float, float]
 
 
 def test_paper_claims_are_typed_and_round_trip_through_json() -> None:
-    """One `Claim` per claim and gradient object, verdicts from the intervals; each claim's
-    JSON record reads back to the same claim and keeps the record's keys."""
+    """One `Claim` per claim and gradient object; with one seed per model the token
+    intervals can only suggest a verdict, and "concentrated early" is tested against τ;
+    each claim's JSON record reads back to the same claim and keeps the record's keys."""
     decoder = _windows(early=(3.0, 2.0, 4.0), diff=(-1.0, -1.5, -0.5))
     encoder = _windows(early=(1.2, 0.9, 1.5), diff=(0.1, -0.4, 0.6))
     found = report.paper_claims({"decoder": decoder, "encoder": encoder})
     by = {(c.model, c.gradient_object, c.name): c for c in found}
     early = by["decoder", "gradient", "energy_early"]
-    assert early.verdict == "agrees" and early.interval == (2.0, 4.0)
+    # [2, 4] is above 1 but not above τ = 2: weak, and no verdict
+    assert early.verdict == "inconclusive" and early.interval == (2.0, 4.0)
+    assert early.strength == "weak" and early.threshold == 2.0
     assert early.paper == report.PAPER["energy_early"]
-    assert by["decoder", "gradient", "energy_late"].verdict == "agrees"  # wholly below 0
-    assert by["encoder", "gradient", "energy_early"].verdict == "inconclusive"
+    assert early.interval_covers == "probe tokens" and early.seeds == (0,)
+    lower = report.paper_claims({"decoder": decoder}, tau=1.5)
+    assert lower[0].verdict == "suggests agrees" and lower[0].strength == "strong"
+    assert by["decoder", "gradient", "energy_late"].verdict == "suggests agrees"  # below 0
+    assert by["encoder", "gradient", "energy_early"].verdict == "suggests disagrees"  # < τ
     assert by["decoder", "embedding", "frequency"].estimate.value == -0.5  # last checkpoint
-    assert by["decoder vs encoder", "weight_gradient", "encoders_weaker"].verdict == "agrees"
+    pair = by["decoder vs encoder", "weight_gradient", "encoders_weaker"]
+    assert pair.verdict == "suggests agrees" and pair.statistic.endswith("normalized_ratio")
     late = by["decoder", "weight_gradient", "energy_late"]
     assert late.measured == "-1 [-1.5, -0.5]; late 2 [1, 3]"
     record = late.to_dict()
     assert set(record) == {"claim", "paper", "statistic", "model", "gradient_object", "rank",
-                           "early", "late", "difference", "verdict"}  # fmt: skip
+                           "early", "late", "difference", "verdict", "interval_covers",
+                           "seeds", "per_seed", "between", "panel", "threshold", "strength",
+                           "p_value", "p_holm"}  # fmt: skip
     assert record["difference"] == {"value": -1.0, "ci": [-1.5, -0.5]}
     for claim in found:
         assert report.Claim.from_dict(claim.to_dict()) == claim
     with pytest.raises(CorruptFileError):
         report.Claim.from_dict({"claim": "energy_early", "model": "decoder"})
     rows = report.summary(decoder)  # a lone study: its claims as the summary's rows
-    assert [r.agrees for r in rows if r.paper == early.paper] == ["agrees", "agrees"]
+    late_paper = report.PAPER["energy_late"]
+    assert [r.agrees for r in rows if r.paper == late_paper] == ["suggests agrees"] * 2
 
 
 def test_overview_shows_each_claim(tmp_path: Path) -> None:
     decoder = _windows(early=(3.0, 2.0, 4.0), diff=(-1.0, -1.5, -0.5))
     found = report.paper_claims({"decoder": decoder})
     page = report.write_overview({}, found, tmp_path / "overview.html").read_text()
-    assert page.count('<td class="agrees">') == sum(c.verdict == "agrees" for c in found)
+    for verdict in {c.verdict for c in found}:
+        assert page.count(f'<td class="{verdict}">') == sum(c.verdict == verdict for c in found)
     assert "early 3 [2, 4]; late 2 [1, 3]; difference -1 [-1.5, -0.5]" in page
+
+
+def test_degenerate_twonn_estimates_are_left_out() -> None:
+    """A TwoNN estimate below 1 measures near-ties, not the cloud: the figure's means skip
+    it and its caption says how many went."""
+    table = synthetic_results()
+    twonn = table.index[table["statistic"] == "twonn_dimension"]
+    table.loc[twonn[:2], "value"] = 0.2
+    _fig, reading = report.FIGURES["intrinsic_dimension"][1](table)
+    assert "2 TwoNN estimates below 1 left out as degenerate" in reading

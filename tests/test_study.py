@@ -140,7 +140,8 @@ def test_table_columns_windows_and_statistics(study):
     study_level = table[table["step"].isna()]  # basis diagnostics, window summaries
     assert set(study_level["probe"]) == {"basis", "window"}
     window = study_level[study_level["probe"] == "window"]
-    for stat in ("gradient_energy_ratio", "weight_gradient_energy_ratio"):
+    for stat in ("gradient_energy_ratio", "weight_gradient_energy_ratio",
+                 "weight_gradient_normalized_ratio"):  # fmt: skip
         here = window[window["statistic"] == stat]
         assert set(here["window"]) == {"early", "late"}
         assert ((here["ci_low"] <= here["value"]) & (here["value"] <= here["ci_high"])).all()

@@ -371,6 +371,12 @@ _WINDOW = []
 for _name, _definition in (
     ("gradient_energy_ratio", "mean of the gradient probe's energy_ratio over residual sites"),
     ("weight_gradient_energy_ratio", "mean of weight_gradient energy_ratio over input sites"),
+    (
+        "weight_gradient_normalized_ratio",
+        "mean of weight_gradient normalized_ratio (energy "
+        "ratio over the activations' own ratio: 1 under random backprop) over input sites; the "
+        "jackknife leaves each group out of both S and the activations",
+    ),
     ("gradient_delta_iso_excess", "mean of delta_iso_tangent − delta_iso_normal over sites"),
 ):
     _WINDOW += [

@@ -3,10 +3,20 @@ stores, the pages show and the CLI prints.
 
 A `Claim` carries the number its verdict reads (`Claim.estimate`, a value with its 95 %
 interval) and the numbers that put it in context (the late window beside a difference,
-the encoder beside the decoder). Its JSON form is a flat record (``claim``, ``paper``,
-``statistic``, ``model``, ``gradient_object``, ``rank``, ``verdict`` and one
-``{"value", "ci"}`` entry per number, under the window's name), so a ``summary.json`` is
-readable without this package; `Claim.from_dict` reads it back.
+the encoder beside the decoder, the other embedding centres beside the weighted one).
+With several training seeds the estimate is the between-seed interval (`between`) and
+each seed's own number, with its interval over probe tokens, is in `per_seed`; with one
+seed the estimate is that seed's number and its interval covers probe tokens only
+(`interval_covers`). A dynamics claim also carries its window panel (`panel`, one
+`PanelEntry` per window definition), a "concentrated" claim its threshold τ and strength,
+and a claim tested across seeds its p-value and Holm-adjusted p-value.
+
+Its JSON form is a flat record (``claim``, ``paper``, ``statistic``, ``model``,
+``gradient_object``, ``rank``, ``verdict``, one ``{"value", "ci"}`` entry per number under
+the window's or centre's name, then ``interval_covers``, ``seeds``, ``per_seed``,
+``between``, ``panel``, ``threshold``, ``strength``, ``p_value`` and ``p_holm``), so a
+``summary.json`` is readable without this package; `Claim.from_dict` reads it back, and
+reads records without the later keys as one seed's claims.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from typing import Any
 from ..core.errors import CorruptFileError
 from .table import PAPER
 
-__all__ = ["OBJECTS", "Claim", "Estimate"]
+__all__ = ["OBJECTS", "VERDICTS", "Claim", "Estimate", "PanelEntry", "SeedEstimate"]
 
 OBJECTS = {
     "gradient": "activation gradient ∂L/∂h (residual stream)",
@@ -32,14 +42,31 @@ _TESTED = {
     "isotropy": "early",
     "encoders_weaker": "decoder",
 }
-# the order numbers are shown in (a difference after the two windows it compares)
-_NUMBER_KEYS = ("early", "late", "difference", "decoder", "encoder", "last")
+# the order numbers are shown in (a difference after the two windows it compares; the
+# frequency claim's other embedding centres after the weighted one, "last")
+_NUMBER_KEYS = ("early", "late", "difference", "decoder", "encoder", "last", "mean_all",
+                "mean_seen", "norm")  # fmt: skip
+VERDICTS = (
+    "agrees",
+    "disagrees",
+    "inconclusive",
+    "suggests agrees",
+    "suggests disagrees",
+    "window-dependent",
+    "centre-dependent",
+)
 _OBJECT_NAMES = {
     "gradient": "activation gradient",
     "weight_gradient": "weight gradient",
     "embedding": "embedding",
 }
-_KNOWN = {"claim", "paper", "statistic", "model", "gradient_object", "rank", "verdict"}
+_KNOWN = {"claim", "paper", "statistic", "model", "gradient_object", "rank", "verdict",
+          "interval_covers", "seeds", "per_seed", "between", "panel", "threshold", "strength",
+          "p_value", "p_holm"}  # fmt: skip
+
+
+def _opt_float(x: Any) -> float | None:
+    return None if x is None else float(x)
 
 
 @dataclass(frozen=True)
@@ -58,16 +85,88 @@ class Estimate:
         low, high = record["ci"]
         return cls(float(record["value"]), float(low), float(high))
 
+    @classmethod
+    def maybe(cls, record: Mapping[str, Any] | None) -> Estimate | None:
+        return None if record is None else cls.from_dict(record)
+
     def __str__(self) -> str:
         return f"{self.value:.3g} [{self.low:.3g}, {self.high:.3g}]"
+
+
+@dataclass(frozen=True)
+class SeedEstimate:
+    """One training seed's own number for a claim (``model``: which model's seed, as a
+    comparison holds both), with its interval over probe tokens; None where that seed's
+    table lacks it."""
+
+    model: str
+    seed: int
+    estimate: Estimate | None
+
+    def to_dict(self) -> dict[str, Any]:
+        est = None if self.estimate is None else self.estimate.to_dict()
+        return {"model": self.model, "seed": self.seed, "estimate": est}
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> SeedEstimate:
+        return cls(str(record["model"]), int(record["seed"]), Estimate.maybe(record["estimate"]))
+
+
+@dataclass(frozen=True)
+class PanelEntry:
+    """A dynamics claim under one window definition (`tangentlens.report.panel`): each
+    seed's window mean from the per-checkpoint rows (``per_seed``: model, seed, value),
+    their mean (for a comparison, the decoder's minus the encoder's), the between-seed
+    interval (None with one seed per model) and the verdict under this definition."""
+
+    definition: str
+    value: float | None
+    interval: tuple[float, float] | None
+    per_seed: tuple[tuple[str, int, float | None], ...]
+    verdict: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "definition": self.definition,
+            "value": self.value,
+            "ci": None if self.interval is None else list(self.interval),
+            "per_seed": [list(x) for x in self.per_seed],
+            "verdict": self.verdict,
+        }
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> PanelEntry:
+        ci = record["ci"]
+        return cls(
+            str(record["definition"]),
+            _opt_float(record["value"]),
+            None if ci is None else (float(ci[0]), float(ci[1])),
+            tuple((str(m), int(s), _opt_float(v)) for m, s, v in record["per_seed"]),
+            str(record["verdict"]),
+        )
+
+    def __str__(self) -> str:
+        if self.value is None:
+            return f"{self.definition}: n/a"
+        text = f"{self.definition} {self.value:.3g}"
+        if self.interval is not None:
+            text += f" [{self.interval[0]:.3g}, {self.interval[1]:.3g}]"
+        return f"{text} ({self.verdict})"
 
 
 @dataclass(frozen=True)
 class Claim:
     """One claim of the paper against one model and gradient object: the number the
     verdict reads (``estimate``), the numbers shown beside it (``context``: key and
-    estimate, None where a window is missing) and the verdict (``agrees``,
-    ``disagrees`` or ``inconclusive``). ``name`` is a key of `PAPER`."""
+    estimate, None where a window is missing) and the verdict (one of `VERDICTS`).
+    ``name`` is a key of `PAPER`.
+
+    ``per_seed``: each training seed's own tested number (its interval over probe
+    tokens); ``between``: the between-seed interval, None with one seed, where the
+    verdict can at most *suggest*. ``panel``: the claim under each window definition
+    (dynamics claims); ``threshold`` τ and ``strength`` (strong / weak / none) for the
+    "concentrated early" claim; ``p_value`` (between-seed t-test against the claim's
+    line) and ``p_holm`` (Holm-adjusted across the claims of one summary)."""
 
     name: str
     model: str
@@ -77,10 +176,23 @@ class Claim:
     estimate: Estimate
     verdict: str
     context: tuple[tuple[str, Estimate | None], ...] = ()
+    per_seed: tuple[SeedEstimate, ...] = ()
+    between: Estimate | None = None
+    panel: tuple[PanelEntry, ...] = ()
+    threshold: float | None = None
+    strength: str | None = None
+    p_value: float | None = None
+    p_holm: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in _TESTED:
             raise ValueError(f"unknown claim {self.name!r}; known: {sorted(_TESTED)}.")
+        unknown = [k for k, _ in self.context if k not in _NUMBER_KEYS]
+        if unknown:
+            raise ValueError(f"unknown numbers {unknown}; known: {_NUMBER_KEYS}.")
+        # display order, so a claim read back from JSON equals the one written
+        ordered = tuple(sorted(self.context, key=lambda kv: _NUMBER_KEYS.index(kv[0])))
+        object.__setattr__(self, "context", ordered)
 
     @property
     def paper(self) -> str:
@@ -89,6 +201,16 @@ class Claim:
     @property
     def interval(self) -> tuple[float, float]:
         return self.estimate.low, self.estimate.high
+
+    @property
+    def seeds(self) -> tuple[int, ...]:
+        """The training seeds behind the claim (of either model, for a comparison)."""
+        return tuple(sorted({e.seed for e in self.per_seed}))
+
+    @property
+    def interval_covers(self) -> str:
+        """What the tested interval resamples: ``training seeds`` or ``probe tokens``."""
+        return "training seeds" if self.between is not None else "probe tokens"
 
     def numbers(self) -> dict[str, Estimate | None]:
         """Every number by its key, in display order (the tested one included)."""
@@ -99,16 +221,20 @@ class Claim:
     def quantity(self) -> str:
         """What was measured, in words (the summary's first column)."""
         obj = _OBJECT_NAMES.get(self.gradient_object, self.gradient_object)
+        ratio = "Energy ratio"
+        if self.gradient_object == "weight_gradient":  # the ratio over the random-backprop null
+            ratio = "Energy ratio over the random-backprop null"
+        ci = f"95 % CI over {self.interval_covers}"
         if self.name == "energy_early":
-            text = f"Energy ratio, early window ({obj}), 95 % CI"
+            text = f"{ratio}, early window ({obj}), {ci}"
         elif self.name == "energy_late":
-            text = f"Energy ratio, late − early ({obj}), 95 % CI"
+            text = f"{ratio}, late − early ({obj}), {ci}"
         elif self.name == "frequency":
-            text = "Frequency vs distance to the frequency-weighted centre, Pearson r, 95 % CI"
+            text = f"Frequency vs distance to the embedding centres, Pearson r, {ci}"
         elif self.name == "isotropy":
-            text = "ΔIsoScore*: remove Q_T minus a normal control, early window, 95 % CI"
+            text = f"ΔIsoScore*: remove Q_T minus a normal control, early window, {ci}"
         else:
-            text = f"Early energy ratio, decoder vs encoder ({obj}), 95 % CI"
+            text = f"Early {ratio.lower()}, decoder vs encoder ({obj}), {ci}"
         return f"{text} (rank {self.rank})"
 
     @property
@@ -118,7 +244,27 @@ class Claim:
         late = self.numbers().get("late")
         if self.name == "energy_late" and late is not None:
             text += f"; late {late}"
+        if self.name == "frequency":
+            others = [f"{k} {v}" for k, v in self.numbers().items() if k != "last" and v]
+            text += "".join(f"; {o}" for o in others)
+        if self.strength is not None:
+            text += f"; {self.strength} (τ = {self.threshold:g})"
         return text
+
+    def describe_seeds(self) -> str:
+        """Each seed's own number with its interval over probe tokens: ``seed 0 3.1 [..]``
+        (prefixed by the model in a comparison); empty for a claim of one seed."""
+        if len(self.per_seed) <= len({e.model for e in self.per_seed}):
+            return ""
+        both = len({e.model for e in self.per_seed}) > 1
+        return "; ".join(
+            (f"{e.model} " if both else "") + f"seed {e.seed} {e.estimate or 'n/a'}"
+            for e in self.per_seed
+        )
+
+    def describe_panel(self) -> str:
+        """The claim under each window definition, one after another."""
+        return "; ".join(str(p) for p in self.panel)
 
     def describe_numbers(self) -> str:
         """Every number, each under its key: ``early 3.1 [0.8, 5.4]; late ...``."""
@@ -136,6 +282,15 @@ class Claim:
             "rank": self.rank,
             **numbers,
             "verdict": self.verdict,
+            "interval_covers": self.interval_covers,
+            "seeds": list(self.seeds),
+            "per_seed": [e.to_dict() for e in self.per_seed],
+            "between": None if self.between is None else self.between.to_dict(),
+            "panel": [p.to_dict() for p in self.panel],
+            "threshold": self.threshold,
+            "strength": self.strength,
+            "p_value": self.p_value,
+            "p_holm": self.p_holm,
         }
 
     @classmethod
@@ -162,6 +317,13 @@ class Claim:
                 estimate=Estimate.from_dict(numbers[tested]),
                 verdict=str(record["verdict"]),
                 context=context,
+                per_seed=tuple(SeedEstimate.from_dict(e) for e in record.get("per_seed", ())),
+                between=Estimate.maybe(record.get("between")),
+                panel=tuple(PanelEntry.from_dict(p) for p in record.get("panel", ())),
+                threshold=_opt_float(record.get("threshold")),
+                strength=None if record.get("strength") is None else str(record["strength"]),
+                p_value=_opt_float(record.get("p_value")),
+                p_holm=_opt_float(record.get("p_holm")),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptFileError(f"not a claim record ({err!r}): {dict(record)}") from err

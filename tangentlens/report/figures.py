@@ -337,6 +337,16 @@ def _frequency(t: pd.DataFrame) -> tuple[Figure, str] | None:
     )
 
 
+def _nondegenerate(rows: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """TwoNN rows without the degenerate estimates (value below 1), and how many went.
+    Points that span any direction give a dimension of at least 1; below 1, the ratios
+    r₂/r₁ are dominated by near-ties (neighbours at almost equal distance, as near-duplicate
+    tokens give), so the number measures the sample's ties, not the cloud, and would drag a
+    mean over layers or checkpoints toward 0."""
+    keep = rows["value"].astype(float) >= 1
+    return rows[keep], int((~keep).sum())
+
+
 def _dimension(t: pd.DataFrame) -> tuple[Figure, str] | None:
     present = set(t["statistic"].unique())
     names = [("twonn_dimension", "TwoNN intrinsic dimension"), ("effective_rank", "effective rank")]
@@ -347,6 +357,10 @@ def _dimension(t: pd.DataFrame) -> tuple[Figure, str] | None:
     readings = []
     for ax, (stat, label) in zip(axes, names, strict=True):
         rows = pick(t, stat)
+        if stat.startswith("twonn"):
+            rows, dropped = _nondegenerate(rows)
+            if dropped:
+                readings.append(f"{dropped} TwoNN estimates below 1 left out as degenerate")
         site = residual_site(rows) if rows["site"].notna().any() else None
         if site is not None and (rows["site"] == site).any():
             rows = rows[rows["site"] == site]

@@ -41,7 +41,8 @@ table.summary{border-collapse:collapse;width:100%;font-size:14px}
 table.summary th,table.summary td{border:1px solid #ccc;padding:6px 9px;text-align:left;
 vertical-align:top}table.summary th{background:#eef4fa}
 td.yes,td.agrees{background:#e3f2ea}td.no,td.disagrees{background:#fbe5d6}
-td.partly,td.inconclusive{background:#fff4cc}
+td.partly,td.inconclusive,td.window-dependent,td.centre-dependent{background:#fff4cc}
+td.suggests{font-style:italic}small.detail{color:#555;display:block;margin-top:3px}
 figure{margin:26px 0;padding:0}figure h3{margin:0 0 6px}
 figure img{max-width:100%;height:auto;border:1px solid #e2e2e2}
 figcaption{font-size:15px;margin-top:4px}
@@ -104,7 +105,8 @@ def _html(
         )
         for c in rows:
             out.append(
-                f"<tr><td>{esc(c.quantity)}</td><td>{esc(c.measured)}</td>"
+                f"<tr><td>{esc(c.quantity)}</td><td>{esc(c.measured)}"
+                f"{_details(seeds=c.seeds, windows=c.windows)}</td>"
                 f'<td>{esc(c.paper)}</td><td class="{esc(c.agrees)}">{esc(c.agrees)}</td></tr>'
             )
         out.append("</table>")
@@ -126,6 +128,17 @@ def _html(
     out.append(_json_block(manifest) if manifest else "<p>No manifest.</p>")
     out.append("</body></html>")
     return "\n".join(out) + "\n"
+
+
+def _details(**lines: str) -> str:
+    """Secondary lines of a cell (per-seed numbers, the window panel), small and muted so
+    the verdict and its pooled number stay what the eye reads first."""
+    esc = html.escape
+    return "".join(
+        f'<small class="detail">{esc(name.replace("seeds", "per seed"))}: {esc(text)}</small>'
+        for name, text in lines.items()
+        if text
+    )
 
 
 def is_report(path: str | Path) -> bool:
@@ -219,8 +232,9 @@ def write_overview(
     rows = "".join(
         f"<tr><td>{esc(c.paper)}</td><td>{esc(c.model)}</td>"
         f"<td>{esc(c.gradient_object)}</td><td>{esc(c.statistic)} (rank {c.rank})</td>"
-        f'<td>{esc(c.describe_numbers())}</td><td class="{esc(c.verdict)}">'
-        f"{esc(c.verdict)}</td></tr>"
+        f"<td>{esc(c.describe_numbers())}"
+        f"{_details(seeds=c.describe_seeds(), windows=c.describe_panel())}</td>"
+        f'<td class="{esc(c.verdict)}">{esc(c.verdict)}</td></tr>'
         for c in claims
     )
     body = [
@@ -228,9 +242,13 @@ def write_overview(
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
-        '<p class="meta">Verdicts come from 95 % jackknife intervals over groups of probe '
-        "sequences: agrees or disagrees only when the interval excludes the paper's line, "
-        "inconclusive otherwise.</p>",
+        '<p class="meta">With several training seeds a verdict comes from the between-seed '
+        "95 % t-interval and a t-test against the paper's line, Holm-corrected across the "
+        "claims; with one seed the interval covers probe sequences only and a verdict can only "
+        "suggest. A dynamics claim must hold under every window definition (else "
+        "window-dependent), the frequency claim for every embedding centre; the weight "
+        "gradient is read over its random-backprop null (normalized_ratio). See "
+        "docs/VERDICTS.md.</p>",
         "<h2>Claims</h2>",
         '<table class="summary"><tr><th>Paper</th><th>Model</th><th>Gradient object</th>'
         f"<th>Statistic</th><th>Measured</th><th>Verdict</th></tr>{rows}</table>",

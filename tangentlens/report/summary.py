@@ -34,11 +34,14 @@ class SummaryRow:
     quantity: str
     measured: str
     paper: str
-    agrees: str  # "agrees", "disagrees", "inconclusive" (from intervals); else yes/no/partly/n/a
+    agrees: str  # a claim's verdict (claims.VERDICTS); else yes/no/partly/n/a
+    seeds: str = ""  # each training seed's own number, where there are several
+    windows: str = ""  # the claim under each window definition of the panel
 
     @classmethod
     def of(cls, claim: Claim) -> SummaryRow:
-        return cls(claim.quantity, claim.measured, claim.paper, claim.verdict)
+        return cls(claim.quantity, claim.measured, claim.paper, claim.verdict,
+                   claim.describe_seeds(), claim.describe_panel())  # fmt: skip
 
 
 def _agree(ok: bool | None) -> str:
@@ -122,6 +125,10 @@ def format_summary(rows: list[SummaryRow]) -> str:
     lines = []
     for c in rows:
         lines.append(f"  {c.quantity}: {c.measured}")
+        if c.seeds:
+            lines.append(f"      per seed: {c.seeds}")
+        if c.windows:
+            lines.append(f"      windows: {c.windows}")
         if c.paper != "—":
             lines.append(f"      paper: {c.paper}  [verdict: {c.agrees}]")
     return "\n".join(lines)

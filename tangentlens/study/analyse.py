@@ -285,7 +285,10 @@ def _weight_rows(
             total, basis, n_controls=cfg.n_controls, seed=cfg.seed, activation_moments=act
         )
         rows.add("weight_gradient", tests, rank=k, site=site, cis=matrix_intervals(groups, basis))
-        summary.weight_gradient(rows.window, k, groups, basis, tests["energy_ratio"])
+        summary.weight_gradient(
+            rows.window, k, groups, basis, tests["energy_ratio"],
+            part.act_groups.get(site), tests.get("normalized_ratio"),
+        )  # fmt: skip
         _drift_row(rows, act, basis, k, site)
 
 

@@ -4,13 +4,19 @@ For each gradient object (``gradient``: ∂L/∂h at the residual sites; ``weigh
 Σ G Gᵀ at ``attn_in``/``mlp_in``) and rank, the mean of ``energy_ratio`` over the sites and
 checkpoints of the early and of the late window, their difference (late − early), and for
 the activation gradient the mean IsoScore* excess of removing Q_T over removing a normal
-control (``delta_iso_tangent − delta_iso_normal``). Each comes with a delete-a-group
-jackknife interval: the groups of probe batches are the same at every checkpoint, so
-leaving group g out of every row gives one leave-one-out value of the window mean.
+control (``delta_iso_tangent − delta_iso_normal``), and for the weight gradient its
+``normalized_ratio`` (the energy ratio over the same ratio of the site's activations: the
+random-backprop null, under which a subspace fitted on the activations would still show a
+weight-gradient energy ratio far above 1). Each comes with a delete-a-group jackknife
+interval: the groups of probe batches are the same at every checkpoint, so leaving group g
+out of every row gives one leave-one-out value of the window mean. For the normalised
+ratio, leaving g out drops it from both sums, S = Σ G Gᵀ and the activations' second
+moment, since both are kept per group of the same sequences.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,17 +83,38 @@ class WindowSummary:
             self._series["gradient_delta_iso_excess", rank, window].add(excess, iso)
 
     def weight_gradient(
-        self, window: str, rank: int, groups: list[Tensor], basis: TangentBasis, ratio: float
+        self,
+        window: str,
+        rank: int,
+        groups: list[Tensor],
+        basis: TangentBasis,
+        ratio: float,
+        act_groups: list[Moments] | None = None,
+        normalized: float | None = None,
     ) -> None:
-        """One input site at one checkpoint (``groups``: its S = Σ G Gᵀ per group)."""
+        """One input site at one checkpoint (``groups``: its S = Σ G Gᵀ per group;
+        ``act_groups``: the site's activation Moments per group, the same groups, and
+        ``normalized`` the row's ``normalized_ratio``, for that ratio's interval)."""
         if window not in ("early", "late"):
             return
-        seen = [m for m in groups if float(torch.trace(m)) > 0]  # the same groups at every row
+        seen = [g for g, m in enumerate(groups) if float(torch.trace(m)) > 0]  # same every row
         if len(seen) < 2:
             return
-        total = sum(seen)
-        loo = [energy_ratio(tangent_share(total - m, basis), basis.k, basis.d) for m in seen]
-        self._series["weight_gradient_energy_ratio", rank, window].add(ratio, loo)
+        total = sum(groups[g] for g in seen)
+        ratios = [energy_ratio(tangent_share(total - groups[g], basis), basis.k, basis.d)
+                  for g in seen]  # fmt: skip
+        self._series["weight_gradient_energy_ratio", rank, window].add(ratio, ratios)
+        if normalized is None or act_groups is None or len(act_groups) != len(groups):
+            return
+        acts = Moments.merged(act_groups)
+        loo = []
+        for g, r in zip(seen, ratios, strict=True):
+            rest = acts - act_groups[g]
+            if rest.count < 1:
+                return
+            act_ratio = energy_ratio(tangent_share(rest, basis), basis.k, basis.d)
+            loo.append(r / act_ratio if act_ratio > 0 else math.nan)
+        self._series["weight_gradient_normalized_ratio", rank, window].add(normalized, loo)
 
     def values(self) -> list[dict[str, Any]]:
         """``(statistic, rank, window, value, ci_low, ci_high)`` records: each window's mean
