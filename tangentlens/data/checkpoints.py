@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointSeries",
     "LoadedCheckpoint",
     "parse_step",
+    "window_indices",
 ]
 
 METADATA_FILE = "tangentlens.json"
@@ -175,6 +176,43 @@ def _list_hub_branches(repo_id: str) -> list[str]:
             "checkpoints."
         ) from err
     return [b.name for b in refs.branches]
+
+
+def window_indices(
+    steps: list[int], fraction: float, by: str, losses: Mapping[int, float] | None = None
+) -> dict[str, list[int]]:
+    """Indices of the early and late checkpoints of ``steps`` (sorted) under one rule.
+
+    ``by="step"``: the first and last ``fraction`` of the training steps, and at least
+    the two nearest each end (with log-spaced early checkpoints, "early" is early in
+    training, not the first few files). ``by="index"``: the first and last
+    ``ceil(fraction * n)`` checkpoints (the paper's rule), never overlapping.
+    ``by="progress"``: early = the checkpoints before ``fraction`` of the loss drop from
+    the first to the last checkpoint (``losses``: step → loss), late = those after
+    ``1 − fraction`` of it; empty windows where the loss does not drop. The series'
+    windows and the report's window panel both use this one rule set."""
+    n = len(steps)
+    if by == "index":
+        k = min(math.ceil(fraction * n - 1e-9), n // 2)
+        return {"early": list(range(k)), "late": list(range(n - k, n))}
+    if by == "step":
+        first, last = steps[0], steps[-1]
+        span = fraction * (last - first)
+        early_n = sum(s <= first + span for s in steps)
+        late_n = sum(s >= last - span for s in steps)
+        # a window holds at least two checkpoints: the two nearest its end of training
+        early_n, late_n = max(early_n, min(2, n // 2)), max(late_n, min(2, n // 2))
+        return {"early": list(range(early_n)), "late": list(range(n - late_n, n))}
+    if by == "progress":
+        losses = losses or {}
+        drop = losses[steps[0]] - losses[steps[-1]] if n and all(s in losses for s in steps) else 0
+        if not drop > 0:
+            return {"early": [], "late": []}
+        done = [(losses[steps[0]] - losses[s]) / drop for s in steps]
+        early_n = max(next((i for i, p in enumerate(done) if p >= fraction), n), 1)
+        late_from = max((i + 1 for i, p in enumerate(done) if p < 1 - fraction), default=0)
+        return {"early": list(range(early_n)), "late": list(range(late_from, n))}
+    raise UsageError(f"windows go by 'step', 'index' or 'progress'; got {by!r}.")
 
 
 class CheckpointSeries:
@@ -333,18 +371,7 @@ class CheckpointSeries:
         fraction = check_window_fraction(fraction, "fraction")
         if by not in ("step", "index"):
             raise UsageError(f"windows go by 'step' or 'index'; got {by!r}.")
-        n = len(self)
-        if by == "index":
-            k = min(math.ceil(fraction * n - 1e-9), n // 2)  # never overlapping
-            out = {"early": list(range(k)), "late": list(range(n - k, n))}
-        else:
-            first, last = self.steps[0], self.steps[-1]
-            span = fraction * (last - first)
-            early_n = sum(s <= first + span for s in self.steps)
-            late_n = sum(s >= last - span for s in self.steps)
-            # a window holds at least two checkpoints: the two nearest its end of training
-            early_n, late_n = max(early_n, min(2, n // 2)), max(late_n, min(2, n // 2))
-            out = {"early": list(range(early_n)), "late": list(range(n - late_n, n))}
+        out = window_indices(self.steps, fraction, by)
         for name, rng in (("early", early), ("late", late)):
             if rng is not None:
                 lo, hi = rng

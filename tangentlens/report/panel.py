@@ -30,10 +30,13 @@ import numpy as np
 import pandas as pd
 
 from ..core.results import select
+from ..data.checkpoints import window_indices
 
 __all__ = ["DEFINITIONS", "object_rows", "panel_windows", "window_mean", "windows_by"]
 
 DEFINITIONS = ("steps", "checkpoints", "progress")
+# each definition's rule in `window_indices`
+_RULES = {"steps": "step", "checkpoints": "index", "progress": "progress"}
 # the per-checkpoint statistic each gradient object's claims read, by probe
 _PER_CHECKPOINT = {
     "gradient": ("gradient", "energy_ratio"),
@@ -87,33 +90,17 @@ def _losses(table: pd.DataFrame) -> dict[int, float]:
 def windows_by(
     definition: str, steps: list[int], fraction: float, losses: dict[int, float] | None = None
 ) -> dict[str, list[int]] | None:
-    """The early and late steps under ``definition`` (see the module docstring); None
-    where the definition cannot be applied (fewer than two checkpoints, no loss drop)."""
-    n = len(steps)
-    if n < 2:
+    """The early and late steps under ``definition`` (see the module docstring), by the
+    series' own rules (`tangentlens.data.checkpoints.window_indices`); None where the
+    definition cannot be applied (fewer than two checkpoints, no loss drop)."""
+    if definition not in _RULES:
+        raise ValueError(f"unknown window definition {definition!r}; known: {DEFINITIONS}.")
+    if len(steps) < 2:
         return None
-    if definition == "checkpoints":
-        k = max(1, min(math.ceil(fraction * n - 1e-9), n // 2))
-        return {"early": steps[:k], "late": steps[n - k :]}
-    if definition == "steps":
-        first, last = steps[0], steps[-1]
-        span = fraction * (last - first)
-        early_n = max(sum(s <= first + span for s in steps), min(2, n // 2))
-        late_n = max(sum(s >= last - span for s in steps), min(2, n // 2))
-        return {"early": steps[:early_n], "late": steps[n - late_n :]}
-    if definition == "progress":
-        losses = losses or {}
-        if any(s not in losses for s in steps):
-            return None
-        drop = losses[steps[0]] - losses[steps[-1]]
-        if not drop > 0:
-            return None
-        done = [(losses[steps[0]] - losses[s]) / drop for s in steps]
-        early_n = next((i for i, p in enumerate(done) if p >= fraction), n)
-        late_from = max((i + 1 for i, p in enumerate(done) if p < 1 - fraction), default=0)
-        early_n = max(early_n, 1)
-        return {"early": steps[:early_n], "late": steps[late_from:]}
-    raise ValueError(f"unknown window definition {definition!r}; known: {DEFINITIONS}.")
+    found = window_indices(steps, fraction, _RULES[definition], losses)
+    if not (found["early"] and found["late"]):
+        return None
+    return {name: [steps[i] for i in idx] for name, idx in found.items()}
 
 
 def panel_windows(table: pd.DataFrame, fraction: float) -> dict[str, dict[str, list[int]]]:
