@@ -155,3 +155,35 @@ def test_a_registered_probe_runs_on_two_processes(tiny_run, monkeypatch):
     assert set(one["probe"]) == {"toy_norm", "basis"}
     mine = [t[t["probe"] == "toy_norm"].reset_index(drop=True) for t in (one, two)]
     pd.testing.assert_series_equal(mine[0]["value"], mine[1]["value"], rtol=TOL, atol=TOL)
+
+
+def test_a_study_probe_registered_here_needs_no_worker(tiny_run, tmp_path, monkeypatch):
+    """The study's probe pass runs in this process; the workers only collect, so a probe
+    registered here alone runs on every checkpoint of a two-process study."""
+    from test_study import TOY, TOY_STAT
+
+    from tangentlens.core import catalogue
+    from tangentlens.probes import registry
+    from tangentlens.study import Study, StudyConfig
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(catalogue, "STATISTICS", dict(catalogue.STATISTICS))
+    registry.register(TOY)
+    catalogue.register(TOY_STAT)
+    cfg = StudyConfig(
+        checkpoints=str(tiny_run),
+        probes=("attention", "toy"),
+        rank=4,
+        n_controls=20,
+        n_sequences=8,
+        seq_len=32,
+        batch_size=2,
+        max_chars=40_000,
+        reservoir=64,
+        n_permutations=20,
+        progress=False,
+    )
+    frame = Study(cfg).run(tmp_path / "two", world_size=2)
+    steps = set(frame["step"].dropna())
+    for probe in ("attention", "toy"):
+        assert set(frame.loc[frame["probe"] == probe, "step"]) == steps

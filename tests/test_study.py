@@ -16,15 +16,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from tangentlens import models
-from tangentlens.core import results
-from tangentlens.core.errors import CorruptFileError
+from tangentlens.core import catalogue, results
+from tangentlens.core.errors import CorruptFileError, UsageError
 from tangentlens.core.files import load_tensors, save_tensors
 from tangentlens.data import checkpoints
 from tangentlens.data.train import TrainConfig, train
-from tangentlens.hooks.sites import Site
-from tangentlens.probes import run
+from tangentlens.hooks.sites import RESIDUAL_KINDS, Site
+from tangentlens.probes import registry, run
+from tangentlens.probes.base import Observation, Probe, Sum, row
 from tangentlens.probes.bases import BasisSet
 from tangentlens.study import Study, StudyConfig, collect
 from tangentlens.study.collect import PART_KEY, load_part
@@ -379,6 +381,23 @@ def test_without_heads_each_checkpoint_is_loaded_once(series_dir, tmp_path, monk
     assert seen["load"] == []
 
 
+def test_without_attn_in_bases_the_pass_loads_nothing_more(series_dir, tmp_path, monkeypatch):
+    """Without weight gradients there is no attn_in basis, so the attention probe reads no
+    site: the first checkpoint the pass sees turns it off, and no checkpoint is loaded
+    for it after that."""
+    cfg = _config(series_dir, weight_gradient=False)
+    series = open_series(cfg.checkpoints)
+    early = [series.steps[i] for i in series.windows(cfg.window_fraction, by=cfg.windows)["early"]]
+    seen = _count_loads(monkeypatch)
+    out = tmp_path / "out"
+    frame = Study(cfg).run(out)
+    assert "attention" not in set(frame["probe"])
+    assert Counter(seen["load"]) == Counter(series.steps)
+    seen["load"].clear()
+    Study(cfg).run(out)
+    assert seen["load"] == [early[-1]]
+
+
 def test_a_part_in_another_format_is_recomputed(study, tmp_path, monkeypatch):
     """A part's tensor names are part of its digest: one written under another naming
     scheme is made again, never misread (and read directly, it is refused)."""
@@ -627,3 +646,106 @@ def test_a_probe_session_and_a_study_give_one_table_on_one_checkpoint(series_dir
         np.testing.assert_allclose(
             both.loc[shared, f"{end}_probe"], both.loc[shared, f"{end}_study"], rtol=1e-9
         )
+
+
+# ----------------------------------------------------------------------- probes
+class TangentEnergyProbe(Probe):
+    """E‖Q_Tᵀ x‖² over the tokens at each residual site with a basis: a toy probe."""
+
+    name = "toy"
+
+    def __init__(self, sites) -> None:
+        super().__init__()
+        self.bases = dict(sites)
+        for site in self.bases:
+            self.add_state(site.hook_name, lambda: Sum((2,)))
+
+    @property
+    def forward_sites(self):
+        return list(self.bases)
+
+    def update(self, obs: Observation) -> None:
+        q = self.bases[obs.site].basis_.double()
+        energy = (obs.tensor.detach().double() @ q).pow(2).sum(-1).flatten()
+        self.state(obs.site.hook_name).add(
+            torch.stack([energy.sum(), energy.new_tensor(energy.numel())])
+        )
+
+    def rows(self):
+        out = []
+        for site in self.bases:
+            total, count = self.state(site.hook_name).value.tolist()
+            out.append(row(self.name, site, "toy_tangent_energy", total / count))
+        return out
+
+
+TOY = registry.ProbeSpec(
+    "toy",
+    TangentEnergyProbe,
+    lambda plan: {s: b for s, b in plan.scoped.items() if s.kind in RESIDUAL_KINDS},
+)
+TOY_STAT = catalogue.Statistic(
+    "toy_tangent_energy", "toy", "E‖Q_Tᵀ x‖²", "site, Q_T", "energy in the tangent subspace"
+)
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """The toy probe registered for one test (both registries are restored after)."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(catalogue, "STATISTICS", dict(catalogue.STATISTICS))
+    registry.register(TOY)
+    return TOY
+
+
+def test_probes_are_checked_when_the_config_is_made(series_dir, toy):
+    with pytest.raises(UsageError, match=r"\['nope'\].*registered probes are \(.*'toy'"):
+        _config(series_dir, probes=("nope",))
+    with pytest.raises(UsageError, match="makes from its parts"):
+        _config(series_dir, probes=("attention", "gradient"))
+    cfg = _config(series_dir, probes=["toy", "attention", "toy"])
+    assert cfg.probes == ("attention", "toy")  # table order, each once
+    assert StudyConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert _config(series_dir, probes="toy").probes == ("toy",)
+
+
+def test_a_registered_probe_runs_on_every_checkpoint(study, series_dir, tmp_path, toy):
+    """A probe registered here runs through the study, with the study's smallest-rank
+    Q_T, on every checkpoint; the rows of the default study stay as they were; its
+    statistics must be catalogued (checked at the first checkpoint); a folder made with
+    other probes is not resumed with these."""
+    default_cfg, default_out, default = study
+    cfg = replace(default_cfg, probes=("attention", "toy"))
+    out = tmp_path / "toy"
+    with pytest.raises(UsageError, match="toy_tangent_energy"):
+        Study(cfg).run(out)
+    catalogue.register(TOY_STAT)
+    frame = Study(cfg).run(out)
+    assert (out / "results.csv").is_file()
+    mine = frame[frame["probe"] == "toy"]
+    assert set(mine["step"]) == set(STEPS) and set(mine["rank"]) == {2}
+    assert (mine["checkpoint"] == "step" + mine["step"].astype(str)).all()
+    assert set(mine["statistic"]) == {"toy_tangent_energy"}
+    assert sorted(set(zip(mine["layer"], mine["site"], strict=True))) == sorted(RES_SITES)
+    assert mine.groupby("step").size().eq(len(RES_SITES)).all()
+    windows = frame.groupby("step")["window"].first()
+    assert (mine["window"].to_numpy() == windows[mine["step"]].to_numpy()).all()
+    others = frame[frame["probe"] != "toy"].reset_index(drop=True)
+    pd.testing.assert_frame_equal(others, default, check_exact=True)
+
+    # independently: the cached activations of step 8 against its row
+    tokens = load_tensors(out / "probe_set.safetensors")[0]["tokens"][: cfg.head_sequences]
+    bases = BasisSet.load(out / "bases" / "rank2.safetensors")
+    model = models.load(str(series_dir / "step8"), backend=cfg.backend).model
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    at8 = mine[mine["step"] == 8]
+    for layer, kind in RES_SITES:
+        hook = Site(layer, kind).hook_name
+        x = cache[hook].double().reshape(-1, D_MODEL)
+        expected = (x @ bases[hook].basis_.double()).pow(2).sum(-1).mean().item()
+        (value,) = at8.loc[at8["hook"] == hook, "value"]
+        assert value == pytest.approx(expected, rel=1e-9)
+
+    with pytest.raises(ValueError, match=r"differs in \['probes'\]"):
+        Study(cfg).run(default_out)  # a rerun with other probes never reuses stale rows

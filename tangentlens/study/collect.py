@@ -374,7 +374,9 @@ def save_part(out: Path, part: tuple[dict[str, Tensor], dict[str, Any]]) -> None
 def collect_worker(
     rank: int, world_size: int, config: dict[str, Any], out: str, todo: list[int], progress: bool
 ) -> None:
-    cfg = StudyConfig.from_dict(config)
+    # a worker collects and never plans a probe; a probe the parent registered is unknown
+    # in this spawned process, so the config is made here without the probe pass's probes
+    cfg = StudyConfig.from_dict({**config, "probes": ()})
     n_threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // world_size)
     series = open_series(cfg.checkpoints)
     path = Path(out) / PROBE_FILE

@@ -26,8 +26,14 @@ from ..core.validation import (
 from ..data.checkpoints import CheckpointSeries
 from ..hooks.sites import RESIDUAL_KINDS
 from ..models.loading import is_hub_id
+from ..probes import registry
 
-__all__ = ["StudyConfig", "open_series", "threads"]
+__all__ = ["FROM_PARTS", "StudyConfig", "open_series", "threads"]
+
+FROM_PARTS = ("residual", "gradient", "weight_gradient", "activation")
+"""The probes whose rows the study's analysis makes from its parts (every probe sequence,
+every rank): `StudyConfig.probes` may not name them, since a second measurement of theirs
+over the ``head_sequences`` would give the table two rows under one key."""
 
 
 @dataclass
@@ -43,7 +49,9 @@ class StudyConfig:
     sites: tuple[str, ...] = ("resid_pre", "resid_post")
     writes: bool = True  # attn_out / mlp_out activation Moments for the write ratios
     weight_gradient: bool = True  # Σ G Gᵀ of the maps reading attn_in / mlp_in (the paper's)
-    head_sequences: int = 8  # probe sequences behind the per-head shares (0: no heads)
+    # registered probes run on every checkpoint with Q_T (`tangentlens.study.probe_pass`)
+    probes: tuple[str, ...] = ("attention",)
+    head_sequences: int = 8  # probe sequences behind that pass (0: no pass, no heads)
     head_null: int = HEAD_NULL.default  # normal frames behind each head share's null (0: none)
     rank: int | tuple[int, ...] = STUDY.rank.default
     window_fraction: float = STUDY.window_fraction.default
@@ -82,6 +90,7 @@ class StudyConfig:
                 f"StudyConfig.sites must be a non-empty subset of {RESIDUAL_KINDS}; got {sites!r}."
             )
         self.sites = tuple(k for k in RESIDUAL_KINDS if k in sites)
+        self.probes = _check_probes(self.probes)
         for name in ("early", "late"):
             rng = getattr(self, name)
             if rng is None:
@@ -170,6 +179,7 @@ class StudyConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["sites"] = list(self.sites)
+        d["probes"] = list(self.probes)
         d["rank"] = self.rank if isinstance(self.rank, int) else list(self.rank)
         for name in ("early", "late"):
             d[name] = None if d[name] is None else list(d[name])
@@ -178,6 +188,32 @@ class StudyConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StudyConfig:
         return dataclass_from_dict(cls, d)
+
+
+def _check_probes(probes: Any) -> tuple[str, ...]:
+    """Registered probe names, each once, in table order (`registry.names`): checked when
+    the config is made, so a misspelt or unregistered probe fails before any checkpoint is
+    loaded, and two configs naming the same probes in another order are one setting."""
+    chosen = (probes,) if isinstance(probes, str) else probes
+    if not isinstance(chosen, list | tuple) or not all(isinstance(p, str) for p in chosen):
+        raise UsageError(
+            f"StudyConfig.probes must be a tuple of registered probe names; got {probes!r}."
+        )
+    known = registry.names()
+    unknown = [p for p in chosen if p not in known]
+    if unknown:
+        raise UsageError(
+            f"StudyConfig.probes names {unknown}, which no probe is registered as; the "
+            f"registered probes are {known} (register your own with "
+            "tangentlens.probes.registry.register before making the config)."
+        )
+    made = [p for p in chosen if p in FROM_PARTS]
+    if made:
+        raise UsageError(
+            f"StudyConfig.probes names {made}, whose rows the study makes from its parts "
+            f"already (every probe sequence, every rank); name probes other than {FROM_PARTS}."
+        )
+    return tuple(p for p in known if p in chosen)
 
 
 def open_series(source: str) -> Any:

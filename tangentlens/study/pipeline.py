@@ -7,20 +7,24 @@
 2. **Collection** (`collect.collect_part`): one forward and backward per checkpoint,
    reduced to sufficient statistics, ``parts/step{N}.safetensors``; a killed study
    resumes. The early window goes first: once its parts exist the bases are fitted
-   (`analyse.fit_bases`, ``bases/``), and every later checkpoint's heads pass
-   (`heads.HeadPass`) runs on the model its collection loaded.
+   (`analyse.fit_bases`, ``bases/``), and every later checkpoint's probe pass
+   (`probe_pass.ProbePass`: the registered probes of ``StudyConfig.probes``, by default
+   the attention probe's per-head shares) runs on the model its collection loaded.
 3. **Analysis** (`analyse.analyse`): from the parts and bases alone, deterministic:
    ``results.csv`` / ``results.json`` (schema: `tangentlens.core.results`) and
    ``manifest.json``; `Study.run` returns the table it wrote (and keeps the manifest in
    `Study.manifest`), so nothing is read back.
 
 Loads: a checkpoint is loaded (and hashed) once per run, except the early window's
-checkpoints whose part is collected before the last early one's: the heads need Q_T,
-which needs every early part, so those are loaded again for their heads (holding their
+checkpoints whose part is collected before the last early one's: the probe pass needs
+Q_T, which needs every early part, so those are loaded again for it (holding their
 models until then would cost a model's memory each). A resumed run loads each
-checkpoint once, for its heads only; with the heads off, a resumed run loads none.
+checkpoint once, for the probe pass only; with the pass off (``head_sequences=0`` or no
+probes), a resumed run loads none, and where no chosen probe reads a site with the
+study's bases (the attention probe with ``weight_gradient=False``), one.
 With ``world_size > 1`` the worker processes collect and this process loads each
-checkpoint once more for the heads.
+checkpoint once more for the probe pass (which is why a probe registered in this process
+alone is enough).
 
 Every file is written atomically, by one writer: the run holds the folder's lock
 (`tangentlens.core.files.lock_folder`) and refuses a folder that another command or another
@@ -65,7 +69,7 @@ from .collect import (
     stale_parts,
 )
 from .config import StudyConfig, open_series, threads
-from .heads import HeadPass
+from .probe_pass import ProbePass
 
 __all__ = ["CONFIG_FILE", "OUTPUTS", "Study"]
 
@@ -133,12 +137,12 @@ class Study:
                     )
                 launch(collect_worker, world_size, cfg.to_dict(), str(out), todo, progress)
                 todo = []
-            parts, bases, heads = self._collect(series, windows, out, tokens, todo, progress)
+            parts, bases, probed = self._collect(series, windows, out, tokens, todo, progress)
             collect_s = time.perf_counter() - start
             check_parts_match(series, parts)
             frame, info = analyse(cfg, series, windows, parts, counts, bases, progress)
-        if heads:
-            frame = pd.concat([frame, *(heads[i] for i in sorted(heads))], ignore_index=True)
+        if probed:
+            frame = pd.concat([frame, *(probed[i] for i in sorted(probed))], ignore_index=True)
             frame = results.frame(frame, results.COLUMNS)
         results.write(frame, out)
         manifest = {
@@ -172,9 +176,9 @@ class Study:
         todo: list[int],
         progress: bool,
     ) -> tuple[dict[int, Any], dict[int, Any], dict[int, pd.DataFrame]]:
-        """The parts of ``todo`` (written), the bases, and each checkpoint's head rows:
-        the early window first, so that one load of a later checkpoint serves both its
-        collection and its heads (see the module docstring for the loads)."""
+        """The parts of ``todo`` (written), the bases, and each checkpoint's probe-pass
+        rows: the early window first, so that one load of a later checkpoint serves both
+        its collection and its probe pass (see the module docstring for the loads)."""
         cfg = self.config
         early = windows["early"]
         label = {i: "middle" for i in range(len(series))}
@@ -183,9 +187,9 @@ class Study:
         order = early + [i for i in range(len(series)) if i not in early]
         parts: dict[int, Any] = {}
         bases: dict[int, Any] = {}
-        heads: dict[int, pd.DataFrame] = {}
-        head_pass: HeadPass | None = None
-        waiting: list[int] = []  # early checkpoints whose heads wait for the bases
+        probed: dict[int, pd.DataFrame] = {}
+        probe_pass: ProbePass | None = None
+        waiting: list[int] = []  # early checkpoints whose probe pass waits for the bases
         bar = tqdm(order, desc="study: checkpoints", disable=not progress)
         for n, i in enumerate(bar):
             step = series[i].step
@@ -198,18 +202,19 @@ class Study:
             waiting.append(i)
             if n == len(early) - 1:  # every early part exists: fit Q_T
                 bases = fit_bases(cfg, series, windows, parts, out)
-                head_pass = HeadPass(cfg, bases, tokens)
-            if head_pass is None:
+                probe_pass = ProbePass(cfg, bases, tokens)
+            if probe_pass is None:
                 continue
-            if head_pass.enabled:
-                if loaded is None:  # a resumed part: loaded for its heads only
+            if probe_pass.enabled:
+                if loaded is None:  # a resumed part: loaded for its probe pass only
                     loaded = load_checkpoint(cfg, series, i)
-                heads[i] = head_pass.rows(loaded, label[i])
+                probed[i] = probe_pass.rows(loaded, label[i])
                 loaded = None
                 for j in waiting[:-1]:  # collected before the bases existed: again
-                    heads[j] = head_pass.rows(load_checkpoint(cfg, series, j), label[j])
+                    if probe_pass.enabled:  # off once no probe reads a site
+                        probed[j] = probe_pass.rows(load_checkpoint(cfg, series, j), label[j])
             waiting = []
-        return parts, bases, heads
+        return parts, bases, probed
 
 
 def _prepare_out_dir(cfg: StudyConfig, out: Path, lock: FolderLock) -> None:
