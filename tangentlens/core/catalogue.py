@@ -268,6 +268,8 @@ _BASE = [
        "as delta_metric; n_null and seed", "the spread of the null"),
     _S("z", "intervention", "(delta_metric − delta_metric_null_mean)/delta_metric_null_std",
        "as delta_metric; n_null and seed", "|z| large: the removal matters more than random"),
+    _S("p_value_floor", "intervention", "1/(n_null + 1): the smallest p_value this null allows",
+       "n_null", "p_value cannot fall below it; 8 frames never reach 0.05, 99 reach 0.01"),
     _S("accuracy", "linear",
        "cross-validated accuracy (folds over sequences) of a logistic-regression probe on the "
        "full activation, its tangent or its normal part (component)",
