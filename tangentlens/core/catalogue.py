@@ -276,6 +276,16 @@ _BASE = [
        "the site, Q_T, the labels and the sampled tokens", "vs chance_accuracy"),
     _S("chance_accuracy", "linear", "the majority label's frequency in the sample",
        "the labels and the sampled tokens", "the accuracy of always guessing the majority"),
+    _S("balanced_accuracy", "linear",
+       "cross-validated mean over labels of each label's recall (sklearn "
+       "balanced_accuracy_score), folds over sequences; t interval over folds clipped to [0, 1]",
+       "as accuracy", "vs chance_balanced_accuracy; not flattered by a majority label"),
+    _S("chance_balanced_accuracy", "linear", "1/(number of labels in the sample)",
+       "the labels and the sampled tokens", "the balanced accuracy of any constant guess"),
+    _S("roc_auc", "linear",
+       "cross-validated ROC AUC of the probe's probabilities, one-vs-rest macro mean over "
+       "labels when there are more than two; t interval over folds clipped to [0, 1]",
+       "as accuracy", "0.5: chance; 1: the labels are perfectly ranked"),
 ]  # fmt: skip
 
 # --- attention: score shares of the split TT + TN + NT + NN + bias, and their nulls
