@@ -194,11 +194,13 @@ _BASE = [
        "the sample size behind the site's other numbers"),
     _S("share_amplification", "residual",
        "share_ratio[l]/share_ratio[p], p the previous probed layer of the same residual site "
-       "kind; no row at the first. Interval: joint jackknife (a group left out of both layers)",
+       "kind; no row at the first. Interval: joint jackknife (a group left out of both layers) "
+       "of the log ratio, exponentiated; a warning names layers without a basis between",
        _SITE, "1: the bias neither grows nor shrinks from p to l; >1: it grows"),
     _S("energy_amplification", "gradient",
        "energy_ratio[l]/energy_ratio[p], p the previous probed layer of the same residual "
-       "site kind; no row at the first; joint jackknife interval", _GRAD,
+       "site kind; no row at the first; joint jackknife interval of the log ratio, "
+       "exponentiated", _GRAD,
        "1: the gradient bias toward Q_T is unchanged from p to l; >1: it grows"),
     _S("n_passes", "weight_gradient", "backward passes folded into S = Σ G Gᵀ",
        "the batches run", "the sample size behind the site's weight-gradient numbers"),
