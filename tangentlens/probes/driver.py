@@ -202,6 +202,7 @@ def run(
     if isinstance(loss, str) and loss not in LOSSES:
         raise UsageError(f"loss must be one of {sorted(LOSSES)} or a callable; got {loss!r}.")
     session = ProbeSession(model, bases, probes, layers, **options)
+    session.progress = progress
     wants_grad = any(p.reads_backward for p in session.probes.values())
     if wants_grad and loss is None:
         if not session.backend.causal:
