@@ -89,3 +89,76 @@ def test_causal_and_head_effects_report_a_null(llama, one_thread) -> None:
     assert sorted(heads["head"].dropna().unique()) == [0, 1, 2, 3]
     with pytest.raises(UsageError, match="no site with a basis"):
         causal_effects(model, batches, bases, sites=lambda name: False)
+
+
+def test_nulls_share_passes_and_state_their_floor(llama, one_thread) -> None:
+    """Frames stacked in one pass give the numbers of one frame per pass (a custom metric
+    runs them apart), and the default null can reach p = 0.01."""
+    from tangentlens.analysis.interventions import _default_metric
+
+    model, batches, bases = llama
+    sites = lambda name: name == "blocks.1.hook_resid_pre"  # noqa: E731
+    stacked = causal_effects(model, batches[2:], bases, sites=sites, n_null=5, progress=False)
+    apart = causal_effects(
+        model,
+        batches[2:],
+        bases,
+        sites=sites,
+        n_null=5,
+        metric=lambda m, b: _default_metric(m, b),
+        progress=False,
+    )
+    torch.testing.assert_close(
+        torch.tensor(stacked["value"].to_numpy()),
+        torch.tensor(apart["value"].to_numpy()),
+        rtol=1e-4,
+        atol=1e-6,
+    )
+    floor = stacked.query("statistic == 'p_value_floor'")["value"]
+    assert (floor == 1 / 6).all()
+    default = causal_effects(model, batches[2:3], bases, sites=sites, progress=False)
+    assert float(default.query("statistic == 'p_value_floor'")["value"].iloc[0]) == 0.01
+
+
+def test_head_effects_run_on_nnsight_as_on_the_bridge(one_thread) -> None:
+    """The per-head edit goes through the backend: an nnsight model of the same weights
+    gives the bridge's numbers (GPT-2: fused c_attn; Llama: GQA q_proj/k_proj)."""
+    import nnsight
+    from models import hf_model
+
+    for arch in ("gpt2", "llama"):
+        bridge, hf = tl_bridge(arch), nnsight.NNsight(hf_model(arch))
+        batches = [tokens(arch, seed=s) for s in range(3)]
+        bases = fit_bases(bridge, batches[:2], rank=4, layers=[0], progress=False)
+        kwargs = {"layers": [0], "n_null": 3, "progress": False}
+        ours = head_effects(hf, batches[2:], bases, **kwargs)
+        theirs = head_effects(bridge, batches[2:], bases, **kwargs)
+        assert sorted(ours["head"].dropna().unique()) == [0, 1, 2, 3]
+        assert ours[["head", "statistic"]].equals(theirs[["head", "statistic"]])
+        # the tiny random models' effects are ~1e-5 nats: the backends' float32 losses
+        # agree to ~1e-7, and z divides those differences by a null spread of ~1e-5
+        z = (ours["statistic"] == "z").to_numpy()
+        a, b = (torch.tensor(t["value"].to_numpy()) for t in (ours, theirs))
+        torch.testing.assert_close(a[~z], b[~z], rtol=0, atol=5e-7)
+        torch.testing.assert_close(a[z], b[z], rtol=5e-2, atol=0)
+
+
+def test_head_effects_edit_equals_keep_terms(llama, one_thread) -> None:
+    """The column edit on the q/k linear maps is the `keep_terms` edit of hook_q/hook_k."""
+    from tangentlens.analysis.interventions import _default_metric
+
+    model, batches, bases = llama
+    table = head_effects(model, batches[2:3], bases, layers=[1], n_null=2, progress=False)
+    got = table.query("statistic == 'delta_metric' and head == 2")["value"].iloc[0]
+    params = get_backend(model).attention_params(1)
+    capture, q_hook, k_hook = keep_terms(bases["blocks.1.ln1.hook_out"], params, 2)
+    hooks = [
+        ("blocks.1.attn.hook_in", capture),
+        ("blocks.1.attn.hook_q", q_hook),
+        ("blocks.1.attn.hook_k", k_hook),
+    ]
+    with torch.no_grad():
+        clean = float(_default_metric(model, batches[2]))
+        with model.hooks(fwd_hooks=hooks):
+            edited = float(_default_metric(model, batches[2]))
+    assert got == pytest.approx(edited - clean, abs=1e-7)

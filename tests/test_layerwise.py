@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from models import tl_bridge
@@ -48,3 +49,31 @@ def test_built_in_labels_and_bad_input(one_thread) -> None:
         layerwise_probe(model, batches, bases, [batches[0]], progress=False)
     with pytest.raises(UsageError, match="no basis at resid_mid"):
         layerwise_probe(model, batches, bases, "position", site="resid_mid", layers=[5])
+
+
+def test_balanced_accuracy_and_auc_beside_accuracy_within_0_1(one_thread) -> None:
+    """Unbalanced labels (one token in four): balanced accuracy and AUC are reported with
+    their chance levels, agree with sklearn's definitions, and no interval leaves [0, 1]."""
+    from sklearn.metrics import roc_auc_score
+
+    from tangentlens.analysis.layerwise import _auc
+
+    model = tl_bridge("llama")
+    batches = _batches()
+    bases = fit_bases(model, batches[:4], rank=4, progress=False)
+    rare = [(b % 4 == 0).long() for b in batches]
+    table = layerwise_probe(model, batches, bases, rare, tokens_per_layer=600, progress=False)
+    stats = set(table["statistic"])
+    assert {"balanced_accuracy", "roc_auc", "chance_balanced_accuracy"} <= stats
+    scored = table[table["statistic"].isin(["accuracy", "balanced_accuracy", "roc_auc"])]
+    assert ((scored["ci_low"] >= 0) & (scored["ci_high"] <= 1)).all()
+    assert (scored["ci_low"] <= scored["value"]).all()
+    chance = table.query("statistic == 'chance_balanced_accuracy'")["value"]
+    assert (chance == 0.5).all()
+    full0 = table.query("layer == 0 and component == 'full' and statistic == 'roc_auc'")
+    assert float(full0["value"].iloc[0]) >= 0.9
+    gen = np.random.default_rng(0)
+    y = gen.integers(0, 3, 60)
+    proba = gen.dirichlet(np.ones(3), 60)
+    want = roc_auc_score(y, proba, multi_class="ovr", average="macro")
+    assert _auc(y, proba, np.arange(3)) == pytest.approx(want)

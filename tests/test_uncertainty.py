@@ -1,6 +1,8 @@
 """Jackknife intervals over groups of sequences: known values, coverage on correlated
 tokens with a known answer, width against token count, agreement with tangent_tests."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -79,7 +81,10 @@ def test_intervals_are_centred_on_the_tangent_tests_values():
     assert set(iv) == {"tangent_share", "energy_ratio", "normalized_ratio", "delta_iso_tangent"}
     for name, (lo, hi) in iv.items():
         assert lo < point[name] < hi
-        assert (lo + hi) / 2 == pytest.approx(point[name], rel=1e-12)
+        # ratios are centred on the log scale (positive intervals), the rest plainly
+        ratio = name in ("energy_ratio", "normalized_ratio")
+        centre = math.sqrt(lo * hi) if ratio else (lo + hi) / 2
+        assert centre == pytest.approx(point[name], rel=1e-12)
     assert "normalized_ratio" not in tangent_intervals(grads, BASIS)
     same = tangent_intervals(grads, BASIS, activation_groups=grads)["normalized_ratio"]
     assert same == pytest.approx((1.0, 1.0), abs=1e-12)
@@ -112,9 +117,10 @@ def test_coverage_with_correlated_tokens(one_thread):
             scalar = share_intervals(sums, k=K, d=D)
             for name in ("tangent_share", "energy_ratio"):
                 assert scalar[name] == pytest.approx(iv[name], rel=1e-10)
-            assert scalar["share_ratio"] == pytest.approx(
-                tuple(v * D / K for v in iv["tangent_share"]), rel=1e-10
-            )
+            low, high = scalar["share_ratio"]  # log scale: centred on share·d/k, positive
+            point = (iv["tangent_share"][0] + iv["tangent_share"][1]) / 2 * D / K
+            assert 0 < low < point < high
+            assert math.sqrt(low * high) == pytest.approx(point, rel=1e-10)
     share_rate, ratio_rate, iso_rate, naive_rate = hits / reps
     assert share_rate >= 0.90
     assert ratio_rate >= 0.90

@@ -8,8 +8,8 @@ that does, against the same intervention on random frames of matched rank.
 
 `ablate` and `keep_terms` give hook functions with TransformerLens' ``(tensor, hook)``
 signature (``hook`` is optional, so on nnsight ``h[:] = ablate(basis)(h)`` works too).
-`causal_effects` (per site) and `head_effects` (per head) measure the effect of a removal
-against the same removal of random frames of matched rank.
+`causal_effects` (per site) and `head_effects` (per head, either backend) measure the
+effect of a removal against the same removal of random frames of matched rank.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..core import results
@@ -31,7 +31,7 @@ from ..core.subspace import TangentBasis, uniform_controls
 from ..core.validation import check_int
 from ..hooks.base import Backend, get_backend
 from ..hooks.sites import NamesFilter, Site, select_sites
-from ..models.batches import as_batches, unpack_batch
+from ..models.batches import as_batches, unpack_batch, vocabulary_size
 from ..probes.bases import as_bases
 from ..probes.driver import lm_loss
 
@@ -70,19 +70,80 @@ def _mean_metric(model: Any, batches: Sequence[Any], metric: Metric) -> float:
 
 def _default_metric(model: Any, batch: Any) -> Tensor:
     """Mean next-token loss per predicted token of the batch."""
+    return _per_copy_loss(model, batch, 1)[0]
+
+
+def _predicted(batch: Any) -> int:
     ids, mask = unpack_batch(batch)
     n = (ids.shape[1] - 1) * ids.shape[0] if mask is None else int(mask[:, 1:].sum())
-    return lm_loss(model, batch) / max(n, 1)
+    return max(n, 1)
 
 
-def _with_hook(
-    backend: Backend, site: Site, fn: HookFn, model: Any, batches: Sequence[Any], metric: Metric
-) -> float:
-    handle = backend.add_forward_hook(site, lambda x: fn(x))
-    try:
-        return _mean_metric(model, batches, metric)
-    finally:
-        handle.remove()
+def _per_copy_loss(model: Any, batch: Any, copies: int) -> Tensor:
+    """`_default_metric` of each of ``copies`` stacked copies of ``batch``, from one pass."""
+    stacked = _stack(batch, copies)
+    losses = lm_loss(model, stacked, per_sequence=True).double().cpu()
+    return losses.view(copies, -1).sum(1) / _predicted(batch)
+
+
+def _stack(batch: Any, copies: int) -> Any:
+    """``copies`` copies of ``batch`` along the batch dimension (the first copy first)."""
+    if copies == 1:
+        return batch
+    ids, mask = unpack_batch(batch)
+    ids = ids.repeat(copies, 1)
+    return ids if mask is None else {"input_ids": ids, "attention_mask": mask.repeat(copies, 1)}
+
+
+def _copies_per_pass(model: Any, batches: Sequence[Any], metric: Metric, n: int) -> int:
+    """How many edits one forward pass carries: one copy of the batch per edit, as many as
+    keep the largest pass's logits under ~2²⁶ numbers (a custom metric: one, as it sees
+    the whole batch and cannot tell copies apart)."""
+    if metric is not _default_metric:
+        return 1
+    vocab = vocabulary_size(model) or 1
+    largest = max(int(unpack_batch(b)[0].numel()) for b in batches)
+    return int(max(1, min(n, 2**26 // max(largest * vocab, 1))))
+
+
+Install = Callable[[Sequence[TangentBasis]], list[Any]]
+
+
+def _deltas(
+    model: Any,
+    batches: Sequence[Any],
+    metric: Metric,
+    frames: Sequence[TangentBasis],
+    install: Install,
+    clean: float,
+) -> list[float]:
+    """``metric`` with each frame's edit, minus ``clean``. ``install(chunk)`` adds the
+    hooks that edit copy j of each stacked batch with ``chunk[j]`` and returns their
+    handles; nulls of 99 frames then cost a few passes, not 99."""
+    per_pass = _copies_per_pass(model, batches, metric, len(frames))
+    out: list[float] = []
+    for start in range(0, len(frames), per_pass):
+        chunk = frames[start : start + per_pass]
+        handles = install(chunk)
+        try:
+            with torch.no_grad():
+                if per_pass == 1:
+                    values = [[float(metric(model, b))] for b in batches]
+                else:
+                    values = [_per_copy_loss(model, b, len(chunk)).tolist() for b in batches]
+        finally:
+            for handle in handles:
+                handle.remove()
+        out += [float(v) - clean for v in np.mean(np.asarray(values), axis=0)]
+    return out
+
+
+def _per_copy(x: Tensor, chunk: Sequence[TangentBasis], edit: Callable[..., Tensor]) -> Tensor:
+    """``edit(basis, x_j)`` on copy j of a stacked activation, for every basis of ``chunk``."""
+    if len(chunk) == 1:
+        return edit(chunk[0], x)
+    parts = x.unflatten(0, (len(chunk), -1))
+    return torch.cat([edit(b, parts[j]) for j, b in enumerate(chunk)])
 
 
 def _null_bases(basis: TangentBasis, n: int, seed: int) -> list[TangentBasis]:
@@ -102,6 +163,7 @@ def _effect_rows(
         "delta_metric_null_std": std,
         "z": (effect - mean) / std if std and math.isfinite(std) and std > 0 else math.nan,
         "p_value": p,
+        "p_value_floor": 1 / (len(null) + 1),
     }
     return [
         results.row("intervention", site, k, v, component=part, head=head)
@@ -133,7 +195,7 @@ def causal_effects(
     part: str = "tangent",
     sites: NamesFilter = None,
     metric: Metric | None = None,
-    n_null: int = 8,
+    n_null: int = 99,
     seed: int = 0,
     progress: bool = True,
 ) -> pd.DataFrame:
@@ -142,8 +204,12 @@ def causal_effects(
     ``n_null`` uniformly random frames of the same rank (the null).
 
     Rows (``probe="intervention"``, ``component=part``): ``delta_metric`` (ablated − clean),
-    ``delta_metric_null_mean``/``_std``, ``z`` and ``p_value`` = (1 + #{|null| ≥
-    |effect|})/(n_null + 1). Each intervention's hook is removed before the next.
+    ``delta_metric_null_mean``/``_std``, ``z``, ``p_value`` = (1 + #{|null| ≥
+    |effect|})/(n_null + 1) and ``p_value_floor`` = 1/(n_null + 1), the smallest p-value
+    this null can give: the default 99 frames let p reach 0.01, where a handful could
+    never reject. With the default metric the frames share forward passes (one copy of
+    the batch per frame); a custom ``metric(model, batch)`` runs one frame per pass.
+    Every hook is removed before the next pass.
     """
     batches, metric, backend, by_site = _setup(model, batches, bases, part, n_null, metric)
     chosen = [s for s in select_sites(list(by_site), sites) if s in by_site]
@@ -153,12 +219,16 @@ def causal_effects(
     rows: list[dict[str, Any]] = []
     for site in tqdm(chosen, desc="interventions", disable=not progress):
         basis = by_site[site]
-        effect = _with_hook(backend, site, ablate(basis, part), model, batches, metric) - clean
-        null = [
-            _with_hook(backend, site, ablate(b, part), model, batches, metric) - clean
-            for b in _null_bases(basis, n_null, seed + site.layer)
-        ]
-        rows += _effect_rows(site, effect, null, part)
+
+        def install(chunk: Sequence[TangentBasis], site: Site = site) -> list[Any]:
+            def edit(b: TangentBasis, x: Tensor) -> Tensor:
+                return ablate(b, part)(x)
+
+            return [backend.add_forward_hook(site, lambda x: _per_copy(x, chunk, edit))]
+
+        frames = [basis, *_null_bases(basis, n_null, seed + site.layer)]
+        deltas = _deltas(model, batches, metric, frames, install, clean)
+        rows += _effect_rows(site, deltas[0], deltas[1:], part)
     return results.frame(rows)
 
 
@@ -214,58 +284,112 @@ def head_effects(
     part: str = "tangent",
     layers: Iterable[int] | None = None,
     metric: Metric | None = None,
-    n_null: int = 8,
+    n_null: int = 99,
     seed: int = 0,
     progress: bool = True,
 ) -> pd.DataFrame:
-    """Per head of a TransformerLens bridge: the change of ``metric`` when ``part`` of the
-    attention input is removed from that head's queries and keys only (its score keeps
-    the other part's terms and the bias), against random frames of matched rank.
+    """Per head: the change of ``metric`` when ``part`` of the attention input is removed
+    from that head's queries and keys only (its score keeps the other part's terms and the
+    bias), against random frames of matched rank; rows as `causal_effects`, with ``head``
+    (read it as ``table["head"]``: ``table.head`` is the DataFrame method).
 
-    Uses the bases at ``attn_in`` (``blocks.{l}.ln1.hook_out``). Under grouped-query
-    attention the key edit is on the head's kv head, which its group shares.
+    Uses the bases at ``attn_in`` (``blocks.{l}.ln1.hook_out``). Runs on either backend:
+    the edit goes on the outputs of the linear maps that read the attention input
+    (`Backend.input_linears`), at the columns that hold the head's query and key (found
+    from `Backend.attention_params`), so fused q/k/v maps work too. Under grouped-query
+    attention the key edit is on the head's kv head, which its group shares. Models with
+    q/k norms are refused (the edit would be rescaled by the norm).
     """
     batches, metric, backend, by_site = _setup(model, batches, bases, part, n_null, metric)
     wanted = range(backend.n_layers) if layers is None else layers
     sites = [Site(layer, "attn_in") for layer in wanted if Site(layer, "attn_in") in by_site]
-    hook_dict = getattr(model, "hook_dict", {})
-    if not sites or any(f"blocks.{s.layer}.attn.hook_q" not in hook_dict for s in sites):
+    if not sites:
         raise UsageError(
-            "head_effects needs a TransformerLens bridge (attn.hook_q / attn.hook_k) and bases "
-            "at attn_in (blocks.{l}.ln1.hook_out)."
+            "head_effects needs bases at attn_in (blocks.{l}.ln1.hook_out); fit them there."
         )
+    index = 0 if part == "tangent" else 1
     clean = _mean_metric(model, batches, metric)
     rows: list[dict[str, Any]] = []
     for site in tqdm(sites, desc="head interventions", disable=not progress):
         params = backend.attention_params(site.layer)
-        real = by_site[site]
-        frames = _null_bases(real, n_null, seed + site.layer)
+        if params.linearised is not None:
+            raise UsageError(
+                "head interventions edit q and k before the model's q/k norm, which would "
+                "rescale the edit: models with q/k norms (Qwen3, Gemma 3, OLMo 2) are not "
+                "supported."
+            )
+        linears = [m for _, m in backend.input_linears(site)]
+        frames = [by_site[site], *_null_bases(by_site[site], n_null, seed + site.layer)]
+        group = params.n_heads // params.n_kv_heads
         for head in range(params.n_heads):
-            deltas = [
-                _head_metric(model, batches, metric, b, params, site.layer, head, part) - clean
-                for b in (real, *frames)
-            ]
+            targets = [params.W_Q[head], params.W_K[head // group]]
+            edits = _head_columns(linears, targets, site, head)
+
+            def install(chunk: Sequence[TangentBasis], edits: Any = edits) -> list[Any]:
+                return [
+                    module.register_forward_hook(_column_edit(chunk, index, cols, w))
+                    for module, (cols, w) in edits.items()
+                ]
+
+            deltas = _deltas(model, batches, metric, frames, install, clean)
             rows += _effect_rows(site, deltas[0], deltas[1:], part, head=head)
     return results.frame(rows)
 
 
-def _head_metric(
-    model: Any,
-    batches: Sequence[Any],
-    metric: Metric,
-    basis: TangentBasis,
-    params: AttentionParams,
-    layer: int,
-    head: int,
-    part: str,
-) -> float:
-    """``metric`` with `keep_terms` hooks on one head of a TransformerLens bridge."""
-    capture, q_hook, k_hook = keep_terms(basis, params, head, part)
-    prefix = f"blocks.{layer}.attn"
-    hooks = [
-        (f"{prefix}.hook_in", capture),
-        (f"{prefix}.hook_q", q_hook),
-        (f"{prefix}.hook_k", k_hook),
-    ]
-    with model.hooks(fwd_hooks=hooks):
-        return _mean_metric(model, batches, metric)
+def _weight_in_out(module: nn.Module, d: int) -> Tensor:
+    """A linear map's weight as ``(d_in, d_out)``: ``nn.Linear`` stores its transpose,
+    GPT-2's ``Conv1D`` this."""
+    w = module.weight.detach()
+    return w.T if isinstance(module, nn.Linear) or w.shape[0] != d else w
+
+
+def _head_columns(
+    linears: Sequence[nn.Module], targets: Sequence[Tensor], site: Site, head: int
+) -> dict[nn.Module, tuple[Tensor, Tensor]]:
+    """Per linear map, the output columns equal to the columns of ``targets`` (the head's
+    W_Q and its kv head's W_K, ``(d, d_head)``) and those weight columns: where each
+    backend's layout puts the head, read from the weights themselves."""
+    found: dict[nn.Module, list[int]] = {}
+    for target in targets:
+        t = target.detach().double()
+        scale = float(t.abs().max()) or 1.0
+        for j in range(t.shape[1]):
+            column = t[:, j]
+            for module in linears:
+                w = _weight_in_out(module, t.shape[0]).double()
+                if w.shape[0] != t.shape[0]:
+                    continue
+                err = (w - column[:, None]).abs().amax(0)
+                best = int(err.argmin())
+                if float(err[best]) <= 1e-5 * scale:
+                    found.setdefault(module, []).append(best)
+                    break
+            else:
+                raise UsageError(
+                    f"cannot find head {head}'s query/key columns among the linear maps "
+                    f"reading {site}; head interventions do not support this attention."
+                )
+    return {
+        m: (torch.tensor(c), _weight_in_out(m, targets[0].shape[0])[:, c].clone())
+        for m, c in found.items()
+    }
+
+
+def _column_edit(
+    chunk: Sequence[TangentBasis], index: int, cols: Tensor, w: Tensor
+) -> Callable[..., Tensor]:
+    """A forward hook that subtracts the removed part's contribution (``part @ w``) from
+    the output columns ``cols`` of a linear map, copy j of the batch with ``chunk[j]``."""
+
+    def hook(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        x = args[0]
+
+        def removed(basis: TangentBasis, xj: Tensor) -> Tensor:
+            return basis.split(xj)[index] @ w.to(xj.device, torch.float64)
+
+        delta = _per_copy(x, chunk, removed)
+        out = out.clone()
+        out[..., cols.to(out.device)] -= delta.to(out.dtype)
+        return out
+
+    return hook

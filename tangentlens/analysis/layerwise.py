@@ -7,8 +7,11 @@ Per layer, a bounded seeded sample of tokens (a reservoir of ``tokens_per_layer`
 site) is split into its tangent and normal parts with the site's basis (`TangentBasis.split`,
 so tangent + normal == full), and a scikit-learn logistic regression is fitted on each of
 ``full``, ``tangent`` and ``normal`` with cross-validation over *sequences* (`GroupKFold`:
-tokens of one sequence never sit on both sides of a split). The accuracy is the mean over
-folds with a t interval over the folds; ``chance_accuracy`` is the majority-class rate.
+tokens of one sequence never sit on both sides of a split). Accuracy, balanced accuracy and
+ROC AUC (one-vs-rest macro for more than two labels) are means over folds with a t
+interval over the folds, clipped to [0, 1]; ``chance_accuracy`` is the majority-class rate
+and ``chance_balanced_accuracy`` 1/(number of labels). Accuracy alone can look good on
+unbalanced labels by guessing the majority; the other two cannot.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 from scipy import stats
 from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import balanced_accuracy_score, roc_auc_score
 from sklearn.model_selection import GroupKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
@@ -105,26 +109,71 @@ def _label_tensors(labels: Labels, ids: list[Tensor]) -> list[Tensor]:
     return out
 
 
+SCORES = ("accuracy", "balanced_accuracy", "roc_auc")
+
+
+def _auc(y: np.ndarray, proba: np.ndarray, classes: np.ndarray) -> float:
+    """One-vs-rest ROC AUC, the macro mean over the classes a test fold holds with both
+    members and non-members (a fold of whole sequences may miss a class; sklearn's
+    multiclass AUC then refuses the fold). With every class present it is sklearn's
+    ``roc_auc_score(..., multi_class="ovr", average="macro")``; binary: the usual AUC."""
+    scores = [
+        roc_auc_score(y == c, proba[:, j])
+        for j, c in enumerate(classes)
+        if 0 < int((y == c).sum()) < len(y)
+    ]
+    return float(np.mean(scores)) if scores else math.nan
+
+
+def _fold_scores(model: Any, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    pred = model.predict(x)
+    return {
+        "accuracy": float(np.mean(pred == y)),
+        "balanced_accuracy": float(balanced_accuracy_score(y, pred)),
+        "roc_auc": _auc(y, model.predict_proba(x), model.classes_),
+    }
+
+
+def _interval(scores: list[float]) -> tuple[float, float, float]:
+    """Mean over folds with a t interval over the folds, clipped to [0, 1] (the scores'
+    range: a few folds of a score near 1 would otherwise reach past it)."""
+    values = np.asarray([v for v in scores if math.isfinite(v)])
+    if not len(values):
+        return math.nan, math.nan, math.nan
+    mean = float(values.mean())
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = float(
+        stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values))
+    )
+    return mean, max(0.0, mean - half), min(1.0, mean + half)
+
+
 def _cross_validated(
     x: np.ndarray, y: np.ndarray, groups: np.ndarray, n_folds: int, seed: int
-) -> tuple[float, float, float]:
-    """Mean accuracy over folds of whole sequences, with a t interval over the folds."""
+) -> dict[str, tuple[float, float, float]]:
+    """Per score of `SCORES`: the mean over folds of whole sequences, with a t interval
+    over the folds. Accuracy alone flatters a probe on unbalanced labels (the majority
+    class scores its rate); balanced accuracy and AUC do not."""
     folds = GroupKFold(n_splits=n_folds)
-    scores = []
+    scores: dict[str, list[float]] = {name: [] for name in SCORES}
     for train, test in folds.split(x, y, groups):
         if len(np.unique(y[train])) < 2:
-            scores.append(float(np.mean(y[test] == y[train][0])))
-            continue
-        model = make_pipeline(
-            StandardScaler(), LogisticRegression(max_iter=2000, random_state=seed)
-        )
-        model.fit(x[train], y[train])
-        scores.append(float(model.score(x[test], y[test])))
-    mean = float(np.mean(scores))
-    half = float(
-        stats.t.ppf(0.975, len(scores) - 1) * np.std(scores, ddof=1) / math.sqrt(len(scores))
-    )
-    return mean, mean - half, mean + half
+            pred = np.full(len(test), y[train][0])
+            fold = {
+                "accuracy": float(np.mean(y[test] == pred)),
+                "balanced_accuracy": float(balanced_accuracy_score(y[test], pred)),
+                "roc_auc": 0.5,
+            }
+        else:
+            model = make_pipeline(
+                StandardScaler(), LogisticRegression(max_iter=2000, random_state=seed)
+            )
+            model.fit(x[train], y[train])
+            fold = _fold_scores(model, x[test], y[test])
+        for name, value in fold.items():
+            scores[name].append(value)
+    return {name: _interval(values) for name, values in scores.items()}
 
 
 def layerwise_probe(
@@ -147,8 +196,9 @@ def layerwise_probe(
     token frequency in these batches), a callable on token ids ``(batch, pos) -> labels``
     or a list of integer ``(batch, pos)`` tensors aligned with ``batches``. Returns the
     results table: ``probe="linear"``, ``hook``, ``layer``, ``component`` in
-    {full, tangent, normal}, statistic ``accuracy`` (with ``ci_low``/``ci_high``) and
-    ``chance_accuracy``. Memory: ``tokens_per_layer × d`` floats per layer.
+    {full, tangent, normal}, statistics ``accuracy``, ``balanced_accuracy`` and ``roc_auc``
+    (with ``ci_low``/``ci_high``), ``chance_accuracy`` and ``chance_balanced_accuracy``.
+    Memory: ``tokens_per_layer × d`` floats per layer.
     """
     batches = as_batches(model, batches)
     ids = [unpack_batch(b)[0] for b in batches]
@@ -175,13 +225,19 @@ def layerwise_probe(
         y, groups = tags[:, 0], tags[:, 1]
         tangent, normal = by_site[s].split(x)
         parts = {"full": x, "tangent": tangent, "normal": normal}
-        chance = float(np.bincount(y).max() / len(y))
-        rows.append(results.row("linear", s, "chance_accuracy", chance, component="full"))
+        counts = np.bincount(y)
+        chance = {
+            "chance_accuracy": float(counts.max() / len(y)),
+            "chance_balanced_accuracy": 1 / int((counts > 0).sum()),
+        }
+        for stat, value in chance.items():
+            rows.append(results.row("linear", s, stat, value, component="full"))
         for name in COMPONENTS:
-            mean, low, high = _cross_validated(parts[name].numpy(), y, groups, n_folds, seed)
-            rows.append(
-                results.row("linear", s, "accuracy", mean, component=name, ci_low=low, ci_high=high)
-            )
+            scored = _cross_validated(parts[name].numpy(), y, groups, n_folds, seed)
+            for stat, (mean, low, high) in scored.items():
+                rows.append(
+                    results.row("linear", s, stat, mean, component=name, ci_low=low, ci_high=high)
+                )
     return results.frame(rows)
 
 

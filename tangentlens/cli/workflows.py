@@ -129,7 +129,7 @@ def probe_checkpoint(
 ) -> tuple[pd.DataFrame, BasisSet]:
     """Fit rank-``rank`` bases (resid_pre and attention input) on the first half of
     ``blocks`` and probe the second half; returns ``(results, bases)``."""
-    check_rank(rank, get_backend(model).d_model, "normal", name="--rank")
+    check_rank(rank, get_backend(model).d_model, name="--rank")
     _check_blocks(model, blocks)
     half = blocks.shape[0] // 2
     fit_set = list(blocks[:half].split(batch_size))

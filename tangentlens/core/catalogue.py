@@ -194,11 +194,13 @@ _BASE = [
        "the sample size behind the site's other numbers"),
     _S("share_amplification", "residual",
        "share_ratio[l]/share_ratio[p], p the previous probed layer of the same residual site "
-       "kind; no row at the first. Interval: joint jackknife (a group left out of both layers)",
+       "kind; no row at the first. Interval: joint jackknife (a group left out of both layers) "
+       "of the log ratio, exponentiated; a warning names layers without a basis between",
        _SITE, "1: the bias neither grows nor shrinks from p to l; >1: it grows"),
     _S("energy_amplification", "gradient",
        "energy_ratio[l]/energy_ratio[p], p the previous probed layer of the same residual "
-       "site kind; no row at the first; joint jackknife interval", _GRAD,
+       "site kind; no row at the first; joint jackknife interval of the log ratio, "
+       "exponentiated", _GRAD,
        "1: the gradient bias toward Q_T is unchanged from p to l; >1: it grows"),
     _S("n_passes", "weight_gradient", "backward passes folded into S = Σ G Gᵀ",
        "the batches run", "the sample size behind the site's weight-gradient numbers"),
@@ -268,12 +270,24 @@ _BASE = [
        "as delta_metric; n_null and seed", "the spread of the null"),
     _S("z", "intervention", "(delta_metric − delta_metric_null_mean)/delta_metric_null_std",
        "as delta_metric; n_null and seed", "|z| large: the removal matters more than random"),
+    _S("p_value_floor", "intervention", "1/(n_null + 1): the smallest p_value this null allows",
+       "n_null", "p_value cannot fall below it; 8 frames never reach 0.05, 99 reach 0.01"),
     _S("accuracy", "linear",
        "cross-validated accuracy (folds over sequences) of a logistic-regression probe on the "
        "full activation, its tangent or its normal part (component)",
        "the site, Q_T, the labels and the sampled tokens", "vs chance_accuracy"),
     _S("chance_accuracy", "linear", "the majority label's frequency in the sample",
        "the labels and the sampled tokens", "the accuracy of always guessing the majority"),
+    _S("balanced_accuracy", "linear",
+       "cross-validated mean over labels of each label's recall (sklearn "
+       "balanced_accuracy_score), folds over sequences; t interval over folds clipped to [0, 1]",
+       "as accuracy", "vs chance_balanced_accuracy; not flattered by a majority label"),
+    _S("chance_balanced_accuracy", "linear", "1/(number of labels in the sample)",
+       "the labels and the sampled tokens", "the balanced accuracy of any constant guess"),
+    _S("roc_auc", "linear",
+       "cross-validated ROC AUC of the probe's probabilities, one-vs-rest macro mean over "
+       "labels when there are more than two; t interval over folds clipped to [0, 1]",
+       "as accuracy", "0.5: chance; 1: the labels are perfectly ranked"),
 ]  # fmt: skip
 
 # --- attention: score shares of the split TT + TN + NT + NN + bias, and their nulls

@@ -13,6 +13,8 @@
   (its provenance says so), e.g. a ``resid_pre`` basis splitting the attention input.
 - `ExchangeabilityWarning`: normal controls are not exchangeable with Q_T at this
   k/d, so their p-values are anti-conservative. Filter it by class, never by text.
+- `PaddingWarning`: token ids came without a mask and their pad token is also the BOS
+  or EOS token, so a real one at the padded end is read as padding.
 
 Anything else that escapes is a bug: the CLI says so and exits 1.
 """
@@ -25,6 +27,7 @@ __all__ = [
     "ExchangeabilityWarning",
     "HubUnavailableError",
     "MissingFileError",
+    "PaddingWarning",
     "TangentlensError",
     "UnstableBasisWarning",
     "UsageError",
@@ -61,3 +64,7 @@ class UnstableBasisWarning(UserWarning):
 
 class BasisSiteWarning(UserWarning):
     """A basis is used at a site other than the one its provenance says it was fitted at."""
+
+
+class PaddingWarning(UserWarning):
+    """Padding read from token ids alone, where the pad token is also a real token."""

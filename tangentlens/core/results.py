@@ -15,7 +15,8 @@ probe         str       ``residual``, ``gradient``, ``attention``, ``activation`
 hook          str       full TransformerLens hook name (``blocks.3.hook_resid_pre``)
 site          str       the site kind (``resid_pre``, ``attn_in``, ...)
 layer         Int64     block index (0 for ``hook_embed``)
-head          Int64     attention head, <NA> elsewhere
+head          Int64     attention head, <NA> elsewhere (``table["head"]``: ``table.head``
+                        is the DataFrame method)
 component     str       linear probes: ``full``, ``tangent`` or ``normal`` part
 statistic     str       e.g. ``tangent_share``, ``energy_ratio``, ``p_value``
 value         float64   the number

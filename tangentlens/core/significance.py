@@ -405,6 +405,21 @@ def isotropy_test(
     return _isotropy(iso, basis, draws, scale, n_controls=n_controls, controls=controls)
 
 
+def _normal_fits(basis: TangentBasis) -> bool:
+    """Whether a normal control of rank k fits in the complement (2k ≤ d, `max_rank`). When
+    it does not, the ``_normal`` statistics are left out, and a warning says so: a table
+    should not lose a column without a word."""
+    if 2 * basis.k <= basis.d:
+        return True
+    warnings.warn(
+        f"rank k={basis.k} at d={basis.d} leaves no room for normal controls (2k > d): "
+        "p_value_normal, delta_iso_normal and isotropy_p_value_normal are left out; "
+        "p_value and isotropy_p_value (uniform controls, exact at any rank) are reported.",
+        stacklevel=3,
+    )
+    return False
+
+
 def _energy_statistics(
     h: Tensor,
     basis: TangentBasis,
@@ -478,7 +493,7 @@ def tangent_tests(
     ``reference``), and the same controls as `energy_test` and `isotropy_test`.
     """
     _check_inputs(gradient_moments, basis, n_controls, "uniform")
-    normal = 2 * basis.k <= basis.d
+    normal = _normal_fits(basis)
     iso = _IsoAfterRemoval(gradient_moments, basis, zeta, reference)
     mc = (n_controls, seed)
     draws = _moment_draws(gradient_moments, basis, *mc, normal=normal, squares=iso.scaled)
@@ -520,6 +535,6 @@ def matrix_tests(
     check_int(n_controls, "n_controls", minimum=1)
     h = h.to(torch.float64)
     frames = SiteFrames(h, basis.basis_.to(h))
-    draws = frames.null(n_controls, seed, normal=2 * basis.k <= basis.d, squares=False)
+    draws = frames.null(n_controls, seed, normal=_normal_fits(basis), squares=False)
     out = _energy_statistics(h, basis, draws, n_controls, activation_moments)
     return {k: v for k, v in out.items() if v is not None}

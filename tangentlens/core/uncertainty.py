@@ -9,7 +9,9 @@ of the whole, correlation within sequences included. The interval is
     θ̂ ± t_{G−1, (1+level)/2} · sqrt((G − 1)/G · Σ_g (θ_(g) − θ̄)²),
 
 θ̂ the statistic of all groups, θ_(g) without group g, θ̄ their mean; G = 10 to 20 is
-typical (the t quantile pays for a small G).
+typical (the t quantile pays for a small G). Ratios (``share_ratio``, ``energy_ratio``,
+``normalized_ratio``, the amplifications) take the interval of their logarithm,
+exponentiated, so it stays positive.
 
 Memory per site: G × the statistics' memory for `Moments` groups (`tangent_intervals`;
 G float64 d×d matrices, 47 MB for G = 10 at d = 768); the scalar-sum path
@@ -38,10 +40,19 @@ __all__ = ["jackknife_interval", "share_intervals", "tangent_intervals"]
 
 
 def jackknife_interval(
-    leave_one_out: Sequence[float], estimate: float, *, level: float = 0.95
+    leave_one_out: Sequence[float],
+    estimate: float,
+    *,
+    level: float = 0.95,
+    log_scale: bool = False,
 ) -> tuple[float, float]:
     """``estimate`` ± t_{G−1} · jackknife standard error from the G leave-one-group-out
-    values. NaN bounds when a value is not finite (e.g. an infinite ratio)."""
+    values. NaN bounds when a value is not finite (e.g. an infinite ratio).
+
+    ``log_scale``: for a ratio, the interval of its logarithm, exponentiated. A ratio is
+    positive and its sampling error multiplicative, so the interval stays positive and
+    asymmetric where a symmetric one would run below zero. Applies where the estimate
+    and every leave-one-out value are positive; otherwise the plain interval."""
     values = np.asarray(leave_one_out, dtype=np.float64)
     if values.ndim != 1 or values.size < 2:
         raise UsageError(
@@ -52,6 +63,9 @@ def jackknife_interval(
         raise UsageError(f"level must be in (0, 1); got {level}.")
     if not (np.isfinite(values).all() and math.isfinite(estimate)):
         return math.nan, math.nan
+    if log_scale and estimate > 0 and bool((values > 0).all()):
+        low, high = jackknife_interval(np.log(values), math.log(estimate), level=level)
+        return math.exp(low), math.exp(high)
     g = values.size
     se = math.sqrt((g - 1) / g * float(((values - values.mean()) ** 2).sum()))
     half = float(stats.t.ppf((1 + level) / 2, g - 1)) * se
@@ -99,7 +113,7 @@ def tangent_intervals(
     iso = [delta_iso_tangent(m, basis, zeta=zeta, reference=reference) for m in (total, *rest)]
     out = {
         "tangent_share": jackknife_interval(share_loo, share, level=level),
-        "energy_ratio": jackknife_interval(ratio_loo, ratio, level=level),
+        "energy_ratio": jackknife_interval(ratio_loo, ratio, level=level, log_scale=True),
         "delta_iso_tangent": jackknife_interval(iso[1:], iso[0], level=level),
     }
     if activation_groups is not None:
@@ -111,7 +125,9 @@ def tangent_intervals(
             )
         act = [energy_ratio(tangent_share(m, basis), k, d) for m in (act_total, *act_rest)]
         normalized = [r / a for r, a in zip((ratio, *ratio_loo), act, strict=True)]
-        out["normalized_ratio"] = jackknife_interval(normalized[1:], normalized[0], level=level)
+        out["normalized_ratio"] = jackknife_interval(
+            normalized[1:], normalized[0], level=level, log_scale=True
+        )
     return out
 
 
@@ -146,9 +162,14 @@ def share_intervals(
     rows = [shares(float(t), float(e), k, d) for t, e in (total, *(total - sums))]
     out = {}
     for name in ("tangent_share", "share_ratio"):
-        out[name] = jackknife_interval([r[name] for r in rows[1:]], rows[0][name], level=level)
+        out[name] = jackknife_interval(
+            [r[name] for r in rows[1:]],
+            rows[0][name],
+            level=level,
+            log_scale=name == "share_ratio",
+        )
     ratios = [energy_ratio(r["tangent_share"], k, d) for r in rows]
-    out["energy_ratio"] = jackknife_interval(ratios[1:], ratios[0], level=level)
+    out["energy_ratio"] = jackknife_interval(ratios[1:], ratios[0], level=level, log_scale=True)
     if activation_sums is not None:
         acts = _sums(activation_sums, "activation_sums")
         if acts.shape != sums.shape:
@@ -158,5 +179,5 @@ def share_intervals(
         norm = [
             r / energy_ratio(a["tangent_share"], k, d) for r, a in zip(ratios, a_rows, strict=True)
         ]
-        out["normalized_ratio"] = jackknife_interval(norm[1:], norm[0], level=level)
+        out["normalized_ratio"] = jackknife_interval(norm[1:], norm[0], level=level, log_scale=True)
     return out

@@ -103,7 +103,9 @@ def max_rank(d: int, controls: str = "uniform") -> int:
 
 
 def check_rank(rank: Any, d: int, controls: str | None = None, *, name: str = "rank") -> int:
-    """A rank k with 1 <= k < d (and k <= d − k for normal controls)."""
+    """A rank k with 1 <= k < d (and k <= d − k for normal controls). The CLI and the API
+    both take k < d (``controls=None``): above d/2 the ``_normal`` statistics are left out
+    with a warning, the uniform-control ones stay."""
     limit = d - 1 if controls is None else max_rank(d, controls)
     if not is_int(rank) or rank < 1:
         raise UsageError(f"{name} must be a positive int; got {rank!r}.")

@@ -11,23 +11,31 @@ effects) takes ``batches`` through `as_batches`, so the same things work everywh
 - any other iterable: its items, each one of the above.
 
 `text_batches` does the tokenising for a tokenizer the caller holds.
+
+Token ids without an attention mask get the mask TransformerLens itself derives
+(`derive_mask`): ``model.to_tokens(texts)`` pads with the pad token, and without a mask
+every statistic would count those positions as tokens. A pad token that is also the
+BOS or EOS token cannot be told from a real one at the padded end, so a mask derived
+there comes with a `PaddingWarning` naming the fix (pass the texts, or a mask).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..core.errors import UsageError
+from ..core.errors import PaddingWarning, UsageError
 from ..core.validation import check_int
 
 __all__ = [
     "as_batches",
     "check_tokens",
     "context_length",
+    "derive_mask",
     "draw_masked",
     "iter_batches",
     "text_batches",
@@ -110,13 +118,88 @@ def _is_text(x: Any) -> bool:
     )
 
 
+def derive_mask(model: Any, ids: Tensor) -> Tensor | None:
+    """The attention mask TransformerLens derives for padded token ids
+    (``transformer_lens.utilities.get_attention_mask``), or None where it masks nothing.
+
+    The rule is TransformerLens' own, so a tensor from ``model.to_tokens(texts)`` is read
+    as the model reads it: on the tokenizer's padding side, the run of pad tokens at the
+    end (right) or start (left) of each row is padding; with left padding and a pad token
+    equal to BOS, the BOS before the first real token is kept when the model prepends
+    BOS. A model without a tokenizer, or one without a pad token, gets no mask (as in
+    TransformerLens). When the pad token is also the BOS or EOS token, a real one at the
+    padded end is masked too: a `PaddingWarning` says so and names the fix.
+    """
+    tokenizer = getattr(model, "tokenizer", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if tokenizer is None or pad is None:
+        return None
+    side = getattr(tokenizer, "padding_side", "right")
+    not_pad = ids.ne(int(pad))
+    if side == "right":
+        padding = not_pad.flip(-1).long().cumsum(-1).flip(-1) == 0
+    else:
+        padding = not_pad.long().cumsum(-1) == 0
+    if not bool(padding.any()):
+        return None
+    mask = (~padding).long()
+    prepend_bos = bool(getattr(getattr(model, "cfg", None), "default_prepend_bos", True))
+    if side != "right" and prepend_bos and getattr(tokenizer, "bos_token_id", None) == pad:
+        rows = torch.arange(ids.shape[0])
+        last = padding.sum(-1) - 1
+        keep = last >= 0
+        mask[rows[keep], last[keep]] = 1
+    if side == "right":
+        shared = [n for n in ("bos", "eos") if getattr(tokenizer, f"{n}_token_id", None) == pad]
+    else:  # a leading run: only a BOS the model does not prepend itself is ambiguous
+        bos = getattr(tokenizer, "bos_token_id", None) == pad and not prepend_bos
+        shared = ["bos"] if bos else []
+    if shared:
+        warnings.warn(
+            f"these token ids carry no attention mask, and their pad token (id {pad}) is "
+            f"also the {' and '.join(n.upper() for n in shared)} token: every {side}-end run "
+            f"of it is taken as padding, real ones too. Pass the texts, or a dict with "
+            "input_ids and attention_mask, to say which tokens are real.",
+            PaddingWarning,
+            stacklevel=3,
+        )
+    return mask
+
+
+def with_mask(model: Any, batch: Any) -> Any:
+    """``batch``, with the mask `derive_mask` finds when it has padding and no mask of its
+    own: a dict with ``input_ids`` and ``attention_mask``; otherwise ``batch`` itself."""
+    if isinstance(batch, Mapping):
+        if batch.get("attention_mask") is not None or "input_ids" not in batch:
+            return batch
+        ids = batch["input_ids"]
+    elif isinstance(batch, Tensor):
+        ids = batch
+    else:
+        return batch
+    if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point:
+        return batch
+    mask = derive_mask(model, ids)
+    if mask is None:
+        return batch
+    extra = dict(batch) if isinstance(batch, Mapping) else {}
+    return {**extra, "input_ids": ids, "attention_mask": mask.to(ids.device)}
+
+
 def as_batches(model: Any, batches: Any, *, batch_size: int = 8) -> list[Any]:
     """``batches`` as a list of batches (see the module docstring for what is accepted)."""
     return list(iter_batches(model, batches, batch_size=batch_size))
 
 
 def iter_batches(model: Any, batches: Any, *, batch_size: int = 8) -> Iterator[Any]:
-    """`as_batches`, lazily: a generator of batches is read one batch at a time."""
+    """`as_batches`, lazily: a generator of batches is read one batch at a time. Every
+    batch of token ids without a mask passes through `with_mask`, the one place where
+    padding is found."""
+    for batch in _iter_raw(model, batches, batch_size):
+        yield with_mask(model, batch)
+
+
+def _iter_raw(model: Any, batches: Any, batch_size: int) -> Iterator[Any]:
     if isinstance(batches, Tensor):
         if batches.ndim == 1:
             yield batches[None]

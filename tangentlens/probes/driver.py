@@ -46,10 +46,12 @@ def _forward(model: Any, ids: Tensor, mask: Tensor | None) -> Tensor:
     return model(ids) if mask is None else model(ids, attention_mask=mask)
 
 
-def lm_loss(model: Any, batch: Any) -> Tensor:
+def lm_loss(model: Any, batch: Any, *, per_sequence: bool = False) -> Tensor:
     """Summed next-token cross-entropy over real (unpadded) token pairs.
 
     Summed, not averaged, so each token's gradient does not depend on the batch size.
+    ``per_sequence``: the sum of each sequence apart, ``(batch,)``, so one pass over
+    copies of a batch (each edited differently) gives every copy's loss.
     """
     ids, mask = unpack_batch(batch)
     ids = ids.to(_device(model))
@@ -60,7 +62,7 @@ def lm_loss(model: Any, batch: Any) -> Tensor:
     if mask is not None:
         m = mask.to(ids.device).bool()
         nll = nll * (m[:, 1:] & m[:, :-1])
-    return nll.sum()
+    return nll.sum(-1) if per_sequence else nll.sum()
 
 
 def _logits(out: Any, what: str) -> Tensor:
@@ -200,6 +202,7 @@ def run(
     if isinstance(loss, str) and loss not in LOSSES:
         raise UsageError(f"loss must be one of {sorted(LOSSES)} or a callable; got {loss!r}.")
     session = ProbeSession(model, bases, probes, layers, **options)
+    session.progress = progress
     wants_grad = any(p.reads_backward for p in session.probes.values())
     if wants_grad and loss is None:
         if not session.backend.causal:

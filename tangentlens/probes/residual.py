@@ -31,6 +31,7 @@ both layers at once, so the correlation between layers (the same tokens) is in i
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from itertools import pairwise
 from typing import Any
@@ -89,17 +90,27 @@ def amplification_rows(
 
     ``group_sums[site]`` is ``(G, 2)``: (Σ tangent energy, Σ total energy) per group of
     sequences; ``ratio(site, tangent, total)`` the per-layer ratio from summed energies.
-    Only groups seen at both layers count; with fewer than two the interval is omitted."""
+    Only groups seen at both layers count; with fewer than two the interval is omitted.
+    The interval is the log ratio's, exponentiated (a ratio of ratios stays positive).
+    A layer without a basis between two that have one, or a pair no group saw, is named
+    in a warning: the amplification then spans more than one block."""
     by_kind: dict[str, list[Site]] = {}
     for site in sorted(group_sums, key=lambda s: s.layer):
         if site.kind in RESIDUAL_KINDS:
             by_kind.setdefault(site.kind, []).append(site)
     out = []
+    gaps: list[str] = []
     for sites in by_kind.values():
         for prev, site in pairwise(sites):
+            if site.layer - prev.layer > 1:
+                gaps.append(
+                    f"{site.hook_name} over layer {prev.layer} (layers "
+                    f"{list(range(prev.layer + 1, site.layer))} have no basis)"
+                )
             now, before = group_sums[site].cpu(), group_sums[prev].cpu()
             seen = (now[:, 1] > 0) & (before[:, 1] > 0)
             if not bool(seen.any()):
+                gaps.append(f"{site.hook_name}: no tokens seen at both it and layer {prev.layer}")
                 continue
             now, before = now[seen], before[seen]
             parts = [(now.sum(0), before.sum(0))]
@@ -107,8 +118,16 @@ def amplification_rows(
             values = [
                 _over(ratio(site, *map(float, a)), ratio(prev, *map(float, b))) for a, b in parts
             ]
-            ci = jackknife_interval(values[1:], values[0]) if len(values) > 2 else None
+            ci = None
+            if len(values) > 2:
+                ci = jackknife_interval(values[1:], values[0], log_scale=True)
             out.append(row(probe, site, statistic, values[0], **ci_columns(ci)))
+    if gaps:
+        warnings.warn(
+            f"{statistic} is a ratio between consecutive probed layers: {'; '.join(gaps)}. "
+            "Fit bases at every layer to get one block at a time.",
+            stacklevel=2,
+        )
     return out
 
 

@@ -150,6 +150,7 @@ class ProbeSession:
         self._seen = {"forward": 0, "backward": 0}
         self._hooks_lost = False
         self._tag: tuple[str | None, int | None] = (None, None)
+        self.progress = True  # results()' default; run(progress=False) turns it off
         self._saved: dict[tuple[str | None, int | None], dict[str, dict[str, Tensor]]] = {}
 
     # .................................................................. planning
@@ -406,7 +407,7 @@ class ProbeSession:
         tag: str | None = None,
         step: int | None = None,
         threads: int | None = None,
-        progress: bool = True,
+        progress: bool | None = None,
     ) -> Any:
         """The long results table (`tangentlens.core.results`): one row per number, ``head``
         <NA> except for per-head attention statistics; with tags, one block of rows per
@@ -415,8 +416,14 @@ class ProbeSession:
 
         ``threads``: torch/BLAS threads for the tests' d × d algebra (None: as they are;
         1 helps on a busy CPU, see `tangentlens.core.compute`); ``progress``: a
-        bar over the sites when the tests take more than a couple of seconds."""
+        bar over the sites when the tests take more than a couple of seconds (None: as
+        ``run(progress=...)`` said, so ``progress=False`` there silences every bar).
+
+        The columns do not depend on the tags: ``component``, ``ci_low`` and ``ci_high``
+        always, ``tag`` and ``step`` whenever the session was tagged, so tables of
+        different runs concatenate."""
         self._check_seen()
+        progress = self.progress if progress is None else bool(progress)
         for p in self.probes.values():
             p.progress = progress
         # the live statistics are read in place; other tags' are loaded in turn (a copy
@@ -436,7 +443,9 @@ class ProbeSession:
         finally:
             if current is not None:
                 self._load(current)
-        return frame(rows + self._basis_rows())
+        tagged = bool(self._saved) or self._tag != (None, None)
+        columns = ("component", "ci_low", "ci_high", *(("tag", "step") if tagged else ()))
+        return frame(rows + self._basis_rows(), columns)
 
     def _check_seen(self) -> None:
         if self._hooks_lost or (self._active and _lost(self._handles)):

@@ -224,7 +224,9 @@ def matrix_intervals(groups: list[Tensor], basis: TangentBasis) -> dict[str, tup
     ratios = [energy_ratio(x, basis.k, basis.d) for x in shares]
     return {
         "tangent_share": jackknife_interval(shares, share),
-        "energy_ratio": jackknife_interval(ratios, energy_ratio(share, basis.k, basis.d)),
+        "energy_ratio": jackknife_interval(
+            ratios, energy_ratio(share, basis.k, basis.d), log_scale=True
+        ),
     }
 
 
