@@ -1,4 +1,4 @@
-"""Probe overhead benchmark (issue 3), all ratios measured in one run.
+"""Probe overhead benchmark, all ratios measured in one run.
 
     .venv/bin/python benchmarks/bench_probes.py [--quick] [--repeat N] [--threads T]
 

@@ -1,4 +1,4 @@
-"""Scale benchmarks (issue 7), each ratio measured in one run.
+"""Scale benchmarks, each ratio measured in one run.
 
     .venv/bin/python benchmarks/bench_scale.py [--smollm2] [--repeat N]
 

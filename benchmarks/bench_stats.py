@@ -1,4 +1,4 @@
-"""Statistics benchmarks (issue 2), ratios measured in one run.
+"""Statistics benchmarks, ratios measured in one run.
 
     .venv/bin/python benchmarks/bench_stats.py [--quick]
 

@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/bench_threads.py
 
 SmolLM2-135M, bases at every third layer (resid_pre/mid/post), one probed step of 4 × 128
-tokens; `results(threads=n)` alternated twice per n. Small d × d algebra (d = 576) runs
-faster on one thread on a 2-core CPU, and much faster when the machine is busy.
+tokens; `results(threads=n)` alternated twice per n. Which is faster depends on how busy
+the machine is (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Make the figures the README shows from the README tour's own run (SmolLM2-135M, offline).
+"""Make the figures of docs/TUTORIAL.md from the README tour's own run (SmolLM2-135M, offline).
 
 .venv/bin/python docs/make_figures.py      # writes docs/figures/{heads,layerwise,depth}.png
 """

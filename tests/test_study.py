@@ -204,7 +204,7 @@ def test_every_statistic_is_catalogued(study):
 
 
 def test_intervals_basis_diagnostics_and_grouped_twonn(study):
-    """Issue 11 in the study: jackknife intervals contain their values, basis rows exist,
+    """In the study: jackknife intervals contain their values, basis rows exist,
     TwoNN is measured across sequences with the within-sequence estimate beside it."""
     _, _, frame = study
     for stat in ("tangent_share", "energy_ratio", "normalized_ratio", "delta_iso_tangent"):

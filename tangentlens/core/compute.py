@@ -2,13 +2,12 @@
 independent per-site work side by side, and the two symmetric reductions the sites need
 (top eigenpairs, a tridiagonal form), through scipy's and torch's LAPACK wrappers.
 
-Threads that outnumber free cores make d × d eigendecompositions at d ≤ ~1,000 far slower
-and make results depend on scheduling. `benchmarks/bench_threads.py` measures `results()`
-on SmolLM2 (d = 576, 30 sites) on this 2-core machine: on a quiet machine two threads
-(two sites at a time) beat one (1.7 s against 2.8–3.5 s); on a machine busy with other
-work one thread was the faster by far. The study runs on one thread
-(`StudyConfig.num_threads`), sessions leave the threads as they are unless asked
-(`ProbeSession.results(threads=1)`).
+Threads that outnumber free cores make the d × d eigendecompositions of small models far
+slower and make results depend on scheduling. `benchmarks/bench_threads.py` times
+`results()` on SmolLM2 with one and two threads (docs/PERFORMANCE.md): on a quiet machine
+two threads (two sites at a time) beat one; on a machine busy with other work one thread
+can be the faster. The study runs on one thread (`StudyConfig.num_threads`), sessions
+leave the threads as they are unless asked (`ProbeSession.results(threads=1)`).
 
 `site_map` runs independent per-site tests on as many workers as torch has threads, each
 single-threaded: a d × d tridiagonalisation is memory-bound and scales poorly across

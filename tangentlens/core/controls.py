@@ -36,8 +36,8 @@ __all__ = [
 CHUNK = 512  # frames per batch of algebra
 CACHE_BYTES = 512 * 2**20
 NULL_DTYPE = torch.float32
-"""The controls' traces: relative error ~1e-6, far inside their Monte-Carlo error, at half
-the cost of float64 (the reduction and the tangent statistics stay float64)."""
+"""The controls' traces: rounding error far inside their Monte-Carlo error, at less cost
+than float64 (the reduction and the tangent statistics stay float64)."""
 
 
 def draw_frames(dim: int, k: int, n: int, seed: int, *, exact: bool = False) -> Tensor:
@@ -56,7 +56,7 @@ def draw_frames(dim: int, k: int, n: int, seed: int, *, exact: bool = False) -> 
     gen = torch.Generator().manual_seed(seed)
     out = torch.empty(n, dim, k, dtype=torch.float64 if exact else NULL_DTYPE)
     for start in range(0, n, CHUNK):
-        # float32 draws (4x faster than float64 here)
+        # float32 draws (cheaper than float64; the frame itself is formed in float64)
         z = torch.randn(min(CHUNK, n - start), dim, k, generator=gen).double()
         if exact:
             q = _householder_q(z)
@@ -247,7 +247,7 @@ class SiteFrames:
         alpha, beta = self._reduction.alpha, self._reduction.beta
         # float32 copies scaled to ‖M‖_F = 1, entries under 1e-12 of it set to 0:
         # gradients' tiny second moments squared would otherwise be float32 denormals,
-        # slow to multiply (measured: 62 ms against 30 ms a chunk of 512 controls)
+        # which are slow to multiply
         self.scale = float(torch.linalg.matrix_norm(m)) or 1.0
         alpha, beta = (
             torch.where(b.abs() < 1e-12 * self.scale, 0.0, b) / self.scale for b in (alpha, beta)
@@ -281,7 +281,6 @@ class SiteFrames:
         draw = control_frames(self.d, self.k, n, int(seed))
         rows = draw.normal() if normal else None
         # one buffer for every chunk's K·B: a fresh one each chunk costs its page faults
-        # (measured: 8.2 against 3.7 ms a chunk of 512 at d = 576)
         work = draw.frames.new_empty(min(n, CHUNK), self.d - self.k, self.k) if squares else None
         parts = [
             _null_traces(

@@ -10,25 +10,22 @@ Gram trick. Both tests read only d×d statistics: a control costs O(d·k²), nev
 another pass over tokens (`tangentlens.core.controls`: one tridiagonal reduction per site
 serves both tests and both kinds of controls, since the energy test's second moment is the
 covariance plus the mean's outer product and the isotropy test's covariance is the same
-matrix scaled by n/(n − 1)). At d = 576, k = 16, 1,000 controls, one thread (CPU time,
-`benchmarks/bench_site_tests.py`): 57–62 ms per site for everything `tangent_tests`
-reports, against ~90 ms with one eigendecomposition and ~280 ms with four.
+matrix scaled by n/(n − 1)). `benchmarks/bench_site_tests.py` times one site
+(docs/PERFORMANCE.md).
 
 Controls. ``controls="uniform"`` (the default) draws frames from the whole space, which
 makes Q_T exchangeable with the controls under any rotation-invariant null, so its
 p-values are exact. ``controls="normal"`` is the paper's design: frames orthogonal to
 Q_T. They are not exchangeable with Q_T (the complement loses whatever Q_T happens to
 hold), so the test is anti-conservative when k/d is not small, and calling a test with
-them warns (`ExchangeabilityWarning`) above k/d = 0.05. With isotropic Gaussian gradients
-(2,048 vectors, 99 controls, 400 trials) the energy test's P(p ≤ 0.05) was 0.035 and
-0.058 with uniform controls at (d, k) = (128, 16) and (64, 8), 0.068 and 0.098 with
-normal ones. `tangent_tests` reports both, labelled (``p_value`` and ``p_value_normal``),
-without warning. The paper used 20 controls (smallest possible p = 1/21); the default
-here is 1,000.
+them warns (`ExchangeabilityWarning`) above k/d = 0.05. `tests/test_significance.py`
+checks the calibration of both under isotropic Gaussian gradients. `tangent_tests` reports
+both, labelled (``p_value`` and ``p_value_normal``), without warning. The paper used 20
+controls (smallest possible p = 1/21); the default here is 1,000.
 
 Frame reuse. The frames depend only on (d, k, n_controls, seed); they are drawn once and
 reused across sites and tests (`controls.control_frames`). The controls' traces are
-float32 (relative error ~1e-6, far inside their Monte-Carlo error); the tangent
+float32 (their rounding error lies far inside their Monte-Carlo error); the tangent
 statistics, the tridiagonal reduction and the closed forms are float64. With at least as
 many gradients as d, rounding-level changes of the statistics (another BLAS or thread
 count) move the controls' traces at rounding level; with fewer, the null space is

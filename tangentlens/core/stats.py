@@ -3,28 +3,28 @@
 `Moments` keeps the count, the mean and the centred scatter matrix of a stream
 of d-dimensional vectors, whatever the input dtype or device. Batches are combined
 with Chan et al.'s pairwise formulas, which are exact in exact arithmetic and
-numerically stable: a stream whose mean is 1e4 with unit spread keeps its covariance
-to ~1e-12 relative in float64, where a naive E[xxᵀ] − μμᵀ loses it all.
+numerically stable: a stream whose mean is large against its spread keeps its
+covariance in float64, where a naive E[xxᵀ] − μμᵀ loses it to cancellation.
 
 Precision rule (`gram_dtype`). A batch's d×d product is formed in float32 when the
 activations are float32, float16 or bfloat16 and float32 matmuls on their device are
 IEEE (not TF32 / bf16 passes), and the caller asks for it (``fast=True``); in float64
 otherwise. The probes ask only where float32 is enough for what they compute
-(`Probe.float32_products`: `fit_bases`, whose bases move by 3e-10 of overlap) or under
+(`Probe.float32_products`: `fit_bases`, whose bases they barely move) or under
 ``memory="compact"``: gradients (ΔIso* is a small difference of IsoScore* values, which
-float32 products moved by up to 9e-5 relative) and the activations behind
-``normalized_ratio`` (1 − share in a denominator: 1e-6 relative on a tiny model) keep
-float64 products. `Moments.update` keeps float64 products. The float32 product is formed
-about the batch's own mean rounded to float32 (the offset of that centre corrected
-exactly in float64) and scaled by a power of two, so neither a large mean nor float32's
-range costs precision, then added into float64 state: a float32 stream of mean 1e4 with
-unit spread keeps its covariance to 6e-8 (`benchmarks/bench_accumulation.py`).
+float32 products move far more than a share) and the activations behind
+``normalized_ratio`` (1 − share sits in a denominator) keep float64 products.
+`Moments.update` keeps float64 products. The float32 product is formed about the batch's
+own mean rounded to float32 (the offset of that centre corrected exactly in float64) and
+scaled by a power of two, so neither a large mean nor float32's range costs precision,
+then added into float64 state. `benchmarks/bench_accumulation.py` measures how far each
+statistic moves (docs/PERFORMANCE.md).
 
 Memory (`MEMORY`). ``memory="full"`` keeps the scatter in float64 (8·d² bytes);
 ``"compact"`` in float32 (4·d² bytes), for d ≥ 2048: half the memory, every statistic
-still read in float64. The mean (d floats) is float64 in both. Measured on the same run:
-shares, ratios, ΔIso*_T and p-values within 1e-6 of full, the controls' mean ΔIso*
-(``delta_iso_normal``, a small difference) within 9e-5 relative.
+still read in float64. The mean (d floats) is float64 in both. Of the statistics, the
+controls' mean ΔIso* (``delta_iso_normal``, a small difference) moves the most against
+full; docs/PERFORMANCE.md has the comparison and its command.
 
 The sum and the uncentred Gram matrix are derived on demand, so every use
 (`covariance`, `second_moment`, merge, all-reduce) reads one consistent state.

@@ -129,7 +129,7 @@ class ActivationProbe(Probe):
     8d² + 8d bytes (``memory="full"``) or 4d² + 8d (``"compact"``), plus 4·reservoir·d."""
 
     name = "activation"
-    float32_products = True  # what it feeds is a basis: 1 − overlap moves by ~3e-10
+    float32_products = True  # what it feeds is a basis, which float32 products barely move
 
     def __init__(
         self, sites: list[Site], *, reservoir: int = 0, seed: int = 0, memory: str = "full"

@@ -347,8 +347,8 @@ class AttentionProbe(Probe):
     all frames (`ScoreSplit`); the basis's terms are float64, the frames' float32 (their
     tangent projections formed in float64; their terms, energies and KL entries float32,
     each row's log-sum-exp and the sums over rows float64): a random frame's tangent part
-    is of typical size, with no cancellation, so on SmolLM2 this moves the null means by
-    ≤1e-8 relative and their spread by ≤1e-5, far inside the spread over frames.
+    is of typical size, with no cancellation, so this moves the null means and spreads far
+    less than the spread over frames.
 
     ``writes`` maps a layer (one with an ``attn_in`` site here) to ``(basis_site, basis,
     W_O)``: the residual site whose basis measures that attention's writes and W_O
@@ -527,7 +527,7 @@ class AttentionProbe(Probe):
 
 def _exp(t: Tensor, out: Tensor | None = None) -> Tensor:
     """exp(t) with t clamped below at 0.9·log(smallest normal float): exp's underflow
-    path is ~20× slower on CPU, and masked entries (the most negative float) would take
+    path is much slower on CPU, and masked entries (the most negative float) would take
     it. Where the largest term is 1, a sum of these is unchanged at its precision."""
     floor = 0.9 * math.log(torch.finfo(t.dtype).tiny)
     return torch.clamp(t, min=floor, out=out).exp_()

@@ -1,7 +1,7 @@
 """Data-parallel probing with ``torch.distributed``: N processes, one shard of the tokens each.
 
 Statistics are sums (`Moments`, energy sums, attention accumulators), so the shards
-reduce to the single-process answer up to float64 rounding (~1e-15 relative):
+reduce to the single-process answer up to float64 rounding:
 
 >>> results = run_probe(factory, batches, bases, ("residual", "gradient"), world_size=2)
 
