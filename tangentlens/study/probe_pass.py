@@ -43,7 +43,7 @@ from torch import Tensor
 from ..core import catalogue, results
 from ..core.subspace import TangentBasis
 from ..hooks.base import get_backend
-from ..hooks.huggingface import is_causal
+from ..hooks.families import is_causal
 from ..hooks.sites import Site
 from ..probes import registry
 from ..probes.driver import lm_loss, mlm_loss, run
