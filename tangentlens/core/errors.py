@@ -11,6 +11,8 @@
   Q_T is mostly sampling noise at this many tokens.
 - `BasisSiteWarning`: a basis is used at a site other than the one it was fitted at
   (its provenance says so), e.g. a ``resid_pre`` basis splitting the attention input.
+- `BasisWeightsWarning`: a basis is used on a model whose weights differ from those it
+  was fitted on (its provenance records their hash), e.g. another model of the same width.
 - `ExchangeabilityWarning`: normal controls are not exchangeable with Q_T at this
   k/d, so their p-values are anti-conservative. Filter it by class, never by text.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 __all__ = [
     "BasisSiteWarning",
+    "BasisWeightsWarning",
     "CorruptFileError",
     "ExchangeabilityWarning",
     "HubUnavailableError",
@@ -61,3 +64,7 @@ class UnstableBasisWarning(UserWarning):
 
 class BasisSiteWarning(UserWarning):
     """A basis is used at a site other than the one its provenance says it was fitted at."""
+
+
+class BasisWeightsWarning(UserWarning):
+    """A basis is used on other weights than its provenance says it was fitted on."""
