@@ -162,13 +162,21 @@ def warn_basis_sites(used: Mapping[Site, TangentBasis], *, stacklevel: int = 3) 
 
 
 def weights_hash(model: Any) -> str | None:
-    """`tensor_hash` of the weights of the Hugging Face model inside ``model`` (itself for
-    a plain module): one model gives one hash whichever backend wraps it. None when the
-    model has no state dict."""
+    """`tensor_hash` of the input and output embeddings of the Hugging Face model inside
+    ``model``: the tensors every wrapper keeps as they are (a TransformerLens bridge
+    renames modules, splits fused projections and adds zero biases, so a hash of the
+    whole state would differ between backends for one model), and that differ between
+    two models of one width or a model and its fine-tuned copy. None when the model has
+    no embeddings to read."""
     try:
-        return tensor_hash(unwrap(model, strict=False).state_dict())
-    except (AttributeError, TypeError, RuntimeError):
+        inner = unwrap(model, strict=False)
+        found = {"in": inner.get_input_embeddings().weight}
+        out = inner.get_output_embeddings()
+        if out is not None and out.weight.data_ptr() != found["in"].data_ptr():
+            found["out"] = out.weight
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
         return None
+    return tensor_hash(found)
 
 
 def warn_basis_weights(
