@@ -47,8 +47,10 @@ def test_built_in_labels_and_bad_input(one_thread) -> None:
         layerwise_probe(model, batches, bases, "colour", progress=False)
     with pytest.raises(UsageError, match="labels has 1 tensors for 6 batches"):
         layerwise_probe(model, batches, bases, [batches[0]], progress=False)
-    with pytest.raises(UsageError, match="no basis at resid_mid"):
-        layerwise_probe(model, batches, bases, "position", site="resid_mid", layers=[5])
+    with pytest.raises(UsageError, match="no basis at attn_out"):
+        layerwise_probe(model, batches, bases, "position", site="attn_out", layers=[1])
+    with pytest.raises(UsageError, match=r"layers \[5\] do not exist"):
+        layerwise_probe(model, batches, bases, "position", layers=[5])
 
 
 def test_balanced_accuracy_and_auc_beside_accuracy_within_0_1(one_thread) -> None:

@@ -591,7 +591,12 @@ def test_a_failed_first_run_does_not_lock_the_folder(series_dir, tmp_path):
     assert (frame["rank"] == 4).any()
 
 
-def test_parts_from_other_weights_are_refused(series_dir, study, tmp_path):
+def test_a_part_of_retrained_weights_is_recomputed_and_lying_metadata_refused(
+    series_dir, study, tmp_path
+):
+    """A checkpoint retrained in place (new weights, new weights_hash) gets its part
+    recomputed on resume; a checkpoint whose metadata names a hash its weights do not
+    have is refused, naming that checkpoint."""
     cfg, out, _ = study
     series = tmp_path / "series"
     shutil.copytree(series_dir, series)
@@ -604,9 +609,16 @@ def test_parts_from_other_weights_are_refused(series_dir, study, tmp_path):
         )
     )
     meta = series / "step8" / "tangentlens.json"
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "weights_hash": "0" * 64}))
-    with pytest.raises(ValueError, match="computed from other weights"):
+    old = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**old, "weights_hash": "0" * 64}))
+    with pytest.raises(CorruptFileError, match="step8 holds other weights"):
         Study(replace(cfg, checkpoints=str(series))).run(copied)
+    # retrained in place: step8 now holds step4's weights, and its metadata says so
+    shutil.copy(series / "step4" / "model.safetensors", series / "step8" / "model.safetensors")
+    step4 = json.loads((series / "step4" / "tangentlens.json").read_text())["weights_hash"]
+    meta.write_text(json.dumps({**old, "weights_hash": step4}))
+    Study(replace(cfg, checkpoints=str(series))).run(copied)
+    assert load_part(copied / "parts" / "step8.safetensors").meta["weights_hash"] == step4
 
 
 # ----------------------------------------------------------------------- one pipeline

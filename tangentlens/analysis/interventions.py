@@ -32,7 +32,7 @@ from ..core.validation import check_int
 from ..hooks.base import Backend, get_backend
 from ..hooks.sites import NamesFilter, Site, select_sites
 from ..models.batches import as_batches, unpack_batch, vocabulary_size
-from ..probes.bases import as_bases
+from ..probes.bases import as_bases, check_basis_sites, warn_basis_weights
 from ..probes.driver import lm_loss
 
 __all__ = ["PARTS", "ablate", "causal_effects", "head_effects", "keep_terms"]
@@ -184,7 +184,10 @@ def _setup(
     _check_part(part)
     check_int(n_null, "n_null", minimum=2)
     metric = _default_metric if metric is None else metric
-    return as_batches(model, batches), metric, get_backend(model), as_bases(bases)
+    by_site = as_bases(bases)
+    check_basis_sites(by_site)
+    warn_basis_weights(by_site, model, stacklevel=4)
+    return as_batches(model, batches), metric, get_backend(model), by_site
 
 
 def causal_effects(

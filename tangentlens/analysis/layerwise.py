@@ -35,13 +35,13 @@ from torch import Tensor
 from ..core import results
 from ..core.errors import UsageError
 from ..core.subspace import TangentBasis
-from ..core.validation import check_int
+from ..core.validation import check_int, check_layers
 from ..hooks.base import get_backend
 from ..hooks.sites import Site
 from ..models.batches import as_batches, unpack_batch
 from ..probes.activation import Reservoir
 from ..probes.base import Observation, Probe
-from ..probes.bases import as_bases
+from ..probes.bases import as_bases, check_basis_sites, warn_basis_weights
 from ..probes.driver import run
 
 __all__ = ["COMPONENTS", "LABELS", "layerwise_probe", "plot_layerwise"]
@@ -207,7 +207,9 @@ def layerwise_probe(
     size = check_int(tokens_per_layer, "tokens_per_layer", minimum=2 * n_folds)
     backend = get_backend(model)
     by_site = as_bases(bases)
-    wanted = range(backend.n_layers) if layers is None else layers
+    check_basis_sites(by_site)
+    warn_basis_weights(by_site, model)
+    wanted = check_layers(layers, backend.n_layers)
     sites = [Site(layer, site) for layer in wanted if Site(layer, site) in by_site]
     if not sites:
         raise UsageError(

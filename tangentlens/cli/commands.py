@@ -393,6 +393,11 @@ _ENVIRONMENT = {
     errno.EACCES: "fix the permissions",
     errno.EPERM: "fix the permissions",
     errno.EROFS: "choose a writable --out",
+    errno.ENAMETOOLONG: "choose a shorter file or folder name",
+    errno.EMFILE: "raise the open-file limit (ulimit -n)",
+    errno.ENFILE: "close files other programs hold open, or raise the system's file limit",
+    errno.EISDIR: "delete or move the folder standing where a file belongs",
+    errno.ENOTDIR: "delete or move the file standing where a folder belongs",
 }
 
 
@@ -409,9 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code.
 
     A `UsageError` or `CorruptFileError` (the person can fix it) and an environment
-    fault (disk full, file too large, no permission, read-only) print one line and
-    exit 2; anything else is a bug: one line asking for a rerun with the traceback,
-    exit 1.
+    fault (disk full, file too large, no permission, read-only, a name too long, too
+    many open files, a missing package) print one line and exit 2; anything else is a
+    bug: one line asking for a rerun with the traceback, exit 1.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -436,6 +441,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bug(args.command, err, debug)
         line = _environment_line(err)
         print(f"tangentlens {args.command}: error: {line}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except ModuleNotFoundError as err:  # an installation fault, not a bug of the command
+        if debug or not err.name:
+            return _bug(args.command, err, debug)
+        top = err.name.split(".")[0]
+        print(
+            f"tangentlens {args.command}: error: the package {top} is not installed (or "
+            f"broken); install it (pip install {top}) or reinstall tangentlens, then rerun",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_USAGE
     except Exception as err:
         return _bug(args.command, err, debug)

@@ -11,6 +11,8 @@
   Q_T is mostly sampling noise at this many tokens.
 - `BasisSiteWarning`: a basis is used at a site other than the one it was fitted at
   (its provenance says so), e.g. a ``resid_pre`` basis splitting the attention input.
+- `BasisWeightsWarning`: a basis is used on a model whose weights differ from those it
+  was fitted on (its provenance records their hash), e.g. another model of the same width.
 - `ExchangeabilityWarning`: normal controls are not exchangeable with Q_T at this
   k/d, so their p-values are anti-conservative. Filter it by class, never by text.
 - `PaddingWarning`: token ids came without a mask and their pad token is also the BOS
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 __all__ = [
     "BasisSiteWarning",
+    "BasisWeightsWarning",
     "CorruptFileError",
     "ExchangeabilityWarning",
     "HubUnavailableError",
@@ -68,3 +71,7 @@ class BasisSiteWarning(UserWarning):
 
 class PaddingWarning(UserWarning):
     """Padding read from token ids alone, where the pad token is also a real token."""
+
+
+class BasisWeightsWarning(UserWarning):
+    """A basis is used on other weights than its provenance says it was fitted on."""

@@ -37,6 +37,7 @@ from ..version import __version__
 from .errors import CorruptFileError, MissingFileError, UsageError
 
 __all__ = [
+    "CONTENT_KEY",
     "LOCK_FILE",
     "RECORD_FILE",
     "FolderLock",
@@ -60,6 +61,11 @@ __all__ = [
 ]
 
 LOCK_FILE = ".tangentlens.lock"
+# the metadata entry of a safetensors file that holds `tensor_hash` of its tensors
+CONTENT_KEY = "content_sha256"
+# what a killed writer leaves: `atomic_write`'s files, `atomic_folder`'s folders, and the
+# ``.tmpXXXXXX`` that safetensors itself writes before renaming onto its target
+TEMPORARIES = (".*.tmp", ".tmp*")
 RECORD_FILE = ".tangentlens-folder.json"
 
 T = TypeVar("T")
@@ -192,14 +198,17 @@ def make_readable(path: str | Path) -> None:
         os.chmod(entry, (0o777 if entry.is_dir() else 0o666) & ~umask)
 
 
-def remove_stale_temporaries(folder: str | Path, patterns: Sequence[str] = (".*.tmp",)) -> int:
-    """Delete the temporaries a killed run left under ``folder`` (`atomic_write`'s hidden
-    ``.{name}.*.tmp`` files, or ``patterns``); returns how many. Call it only as the
-    folder's one writer: subfolders with a lock of their own belong to another writer and
-    are skipped."""
+def remove_stale_temporaries(folder: str | Path, patterns: Sequence[str] = TEMPORARIES) -> int:
+    """Delete the temporaries (files and folders: by default every writer's, `TEMPORARIES`)
+    a killed run left under ``folder``; returns how many. Only the folder's one writer
+    calls it: subfolders with a lock of their own (another writer's) are skipped."""
     removed = 0
     for root, dirs, files in os.walk(folder):
         dirs[:] = [d for d in dirs if not (Path(root, d) / LOCK_FILE).exists()]
+        for name in [d for d in dirs if any(fnmatch.fnmatch(d, p) for p in patterns)]:
+            dirs.remove(name)
+            shutil.rmtree(Path(root, name), ignore_errors=True)
+            removed += 1
         for name in files:
             if any(fnmatch.fnmatch(name, p) for p in patterns):
                 Path(root, name).unlink(missing_ok=True)
@@ -222,7 +231,11 @@ def write_json(path: str | Path, obj: Any) -> Path:
 
 
 def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> Path:
+    """Write ``tensors`` with ``metadata`` and `tensor_hash` of the tensors under
+    `CONTENT_KEY`: a file whose structure is intact but whose numbers were edited, or
+    re-saved in another dtype, then fails `load_tensors` instead of being reused."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    metadata = {**metadata, CONTENT_KEY: tensor_hash(tensors)}
     return atomic_write(path, lambda p: save_file(tensors, str(p), metadata=metadata))
 
 
@@ -253,8 +266,16 @@ def check_safetensors(path: str | Path) -> dict[str, Any]:
     return header
 
 
-def load_tensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+def load_tensors(
+    path: str | Path, *, verified: bool = False
+) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors and metadata of a safetensors file, checked against the content hash
+    `save_tensors` wrote with them (when there is one; ``verified=True``: there must be).
+    A mismatch is a `CorruptFileError` naming the file: what tangentlens reuses is what it
+    wrote, never a copy edited in place."""
     path = Path(path)
+    if path.is_dir():
+        raise CorruptFileError(f"{path} is a folder, not a safetensors file; delete it.")
     if not path.is_file():
         raise MissingFileError(f"{path} does not exist; check the path.")
     try:
@@ -265,6 +286,18 @@ def load_tensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         raise CorruptFileError(
             f"{path} is corrupt or truncated ({err}); delete it and re-create it."
         ) from err
+    recorded = meta.pop(CONTENT_KEY, None)
+    if recorded is None and verified:
+        raise CorruptFileError(
+            f"{path} carries no {CONTENT_KEY} of its tensors, so it cannot be verified; "
+            "delete it to recompute."
+        )
+    if recorded is not None and recorded != tensor_hash(tensors):
+        raise CorruptFileError(
+            f"{path} was changed after it was written (its tensors no longer match their "
+            f"{CONTENT_KEY}: edited, re-saved in another dtype or damaged); delete it to "
+            "recompute."
+        )
     return tensors, meta
 
 
@@ -311,6 +344,7 @@ def read_text_file(path: str | Path, encoding: str = "utf-8") -> str:
             "latin-1 to --encoding."
         ) from None
     except UnicodeDecodeError as err:
+        _refuse_utf16(path, data, encoding)
         if b"\x00" in data:
             raise UsageError(
                 f"{path} is a binary file (a NUL byte at offset {data.index(0)}), not text; "
@@ -322,11 +356,26 @@ def read_text_file(path: str | Path, encoding: str = "utf-8") -> str:
         ) from None
     nul = text.find("\x00")
     if nul >= 0:
+        _refuse_utf16(path, data, encoding)
         raise UsageError(
             f"{path} is a binary file (a NUL character at offset {nul}), not text; "
             "pass a text file."
         )
     return text
+
+
+def _refuse_utf16(path: Path, data: bytes, encoding: str) -> None:
+    """A `UsageError` naming ``--encoding utf-16`` for UTF-16 text (a byte-order mark, or
+    NUL bytes at nearly all even or odd offsets: mostly-ASCII text without a mark), which
+    read as ``encoding`` would be called binary."""
+    head = data[:4096]
+    half = len(head) // 2
+    nuls = max(head[0::2].count(0), head[1::2].count(0))
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff") or (half >= 4 and nuls > 0.9 * half):
+        raise UsageError(
+            f"{path} is UTF-16 text, not {encoding}; pass --encoding utf-16 (or convert it "
+            "to UTF-8)."
+        )
 
 
 def dataclass_from_dict(cls: type[T], d: Mapping[str, Any]) -> T:

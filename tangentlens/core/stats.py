@@ -32,6 +32,7 @@ The sum and the uncentred Gram matrix are derived on demand, so every use
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -142,6 +143,32 @@ def batch_statistics(
     return n, mean, scatter
 
 
+def _memory_of(device: torch.device) -> int | None:
+    """Bytes of memory on ``device`` (the machine's RAM for the CPU), None if unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        pass
+    return None
+
+
+def _check_fits(d: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a d×d scatter larger than the device's whole memory up front: an absurd
+    ``d`` (a count or a sequence length passed by mistake) otherwise ends in the kernel's
+    out-of-memory killer or a torch allocation error that names neither ``d`` nor why."""
+    need = d * d * dtype.itemsize + d * 8
+    have = _memory_of(device)
+    if have is not None and need > have:
+        raise UsageError(
+            f"Moments with d={d:,} need {need / 2**30:,.1f} GiB for the d×d scatter, more "
+            f"than the {have / 2**30:,.1f} GiB of {device}; check d (the width of the "
+            "vectors, e.g. d_model)."
+        )
+
+
 class SharedBatch:
     """`batch_statistics` of the last tensor seen, reused when the next call sees the same
     memory: a TransformerLens bridge's ``resid_post`` of layer l and ``resid_pre`` of layer
@@ -203,6 +230,7 @@ class Moments:
 
     def _init(self, d: int, device: torch.device) -> None:
         check_int(d, "d", minimum=1)
+        _check_fits(d, self.dtype, device)
         self._device = device
         self._mean = torch.zeros(d, dtype=torch.float64, device=device)
         self._scatter = torch.zeros(d, d, dtype=self.dtype, device=device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 from .errors import UsageError
@@ -15,10 +16,13 @@ from .errors import UsageError
 __all__ = [
     "BACKENDS",
     "CONTROLS",
+    "MAXIMA",
     "check_backend",
     "check_controls",
     "check_encoding",
     "check_int",
+    "check_layers",
+    "check_limits",
     "check_rank",
     "check_seq_len",
     "check_window_fraction",
@@ -39,12 +43,62 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
-    """``int(value)`` if it is an integer ≥ ``minimum``; a `UsageError` otherwise."""
+# The largest value each count takes, however it is spelled (``n_controls``,
+# ``--n-controls``, ``StudyConfig.n_controls``): far beyond any real run, and small enough
+# that a typo (an extra few zeros) is refused at once instead of running for days or
+# filling memory before anything says why.
+MAXIMA = {
+    "n_controls": 100_000,
+    "n_null": 100_000,
+    "head_null": 10_000,
+    "n_permutations": 1_000_000,
+    "n_sequences": 10_000_000,
+    "max_steps": 100_000_000,
+}
+
+
+def check_int(
+    value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """``int(value)`` if it is an integer in [``minimum``, ``maximum``]; a `UsageError`
+    otherwise. Without ``maximum``, a count named in `MAXIMA` is bounded there."""
     if not is_int(value) or (minimum is not None and value < minimum):
         bound = "" if minimum is None else f" >= {minimum}"
         raise UsageError(f"{name} must be an int{bound}; got {value!r}.")
+    key = name.rsplit(".", 1)[-1].lstrip("-").replace("-", "_").split(" ")[0]
+    top = MAXIMA.get(key) if maximum is None else maximum
+    if top is not None and value > top:
+        raise UsageError(
+            f"{name} must be at most {top:,}; got {value:,}, which would not finish or not "
+            "fit in memory: pass a smaller value."
+        )
     return int(value)
+
+
+def check_limits(config: Any, prefix: str) -> None:
+    """Every count of ``config`` named in `MAXIMA` within its bound (`check_int`)."""
+    for field, top in MAXIMA.items():
+        value = getattr(config, field, None)
+        if is_int(value):
+            check_int(value, f"{prefix}.{field}", maximum=top)
+
+
+def check_layers(layers: Any, n_layers: int, name: str = "layers") -> list[int]:
+    """Sorted distinct layer indices of a model with ``n_layers`` layers, from None (all),
+    one int or an iterable of ints; a bool is no layer index (``layers=True`` would
+    otherwise mean layer 1)."""
+    if layers is None:
+        return list(range(n_layers))
+    if isinstance(layers, str) or not (is_int(layers) or isinstance(layers, Iterable)):
+        raise UsageError(f"{name} must be None, an int or a list of ints; got {layers!r}.")
+    chosen = [layers] if is_int(layers) else list(layers)
+    bad = [layer for layer in chosen if not is_int(layer) or not 0 <= layer < n_layers]
+    if bad:
+        raise UsageError(
+            f"{name} {bad} do not exist: this model has layers 0..{n_layers - 1} (ints, not "
+            f"bools); pass {name}=None for all."
+        )
+    return sorted({int(layer) for layer in chosen})
 
 
 def check_seq_len(seq_len: Any, name: str = "seq_len") -> int:
@@ -82,8 +136,10 @@ def check_encoding(encoding: Any, name: str = "encoding") -> str:
     """A text encoding Python knows (``utf-8``, ``latin-1``, ...), checked before any file
     is read, so a typo fails at once even when the default corpus needs no decoding."""
     try:
-        codecs.lookup(encoding)
-    except (LookupError, TypeError):
+        if not getattr(codecs.lookup(encoding), "_is_text_encoding", True):  # base64, rot13
+            raise LookupError(encoding)
+        "a".encode(encoding)  # "undefined" is found, then fails on any text
+    except (LookupError, TypeError, UnicodeError):
         raise UsageError(
             f"{name} {encoding!r} is not a text encoding Python knows; use e.g. utf-8 or latin-1."
         ) from None

@@ -43,7 +43,7 @@ from ..core.files import (
     write_json,
 )
 from ..core.settings import TRAIN
-from ..core.validation import check_encoding, check_seq_len, is_int
+from ..core.validation import check_encoding, check_limits, check_seq_len, is_int
 from ..models.batches import draw_masked
 from ..version import __version__
 from .checkpoints import METADATA_FILE, quiet_transformers
@@ -129,6 +129,7 @@ class TrainConfig:
             if not is_int(value) or value < 1:
                 raise UsageError(f"TrainConfig.{name} must be a positive int; got {value!r}.")
             setattr(self, name, int(value))  # numpy ints too, as plain ints for JSON
+        check_limits(self, "TrainConfig")
         self.seq_len = check_seq_len(self.seq_len, "TrainConfig.seq_len")
         for name in ("seed", "warmup_steps"):
             value = getattr(self, name)

@@ -30,9 +30,11 @@ from torch import Tensor
 
 from ..core.errors import PaddingWarning, UsageError
 from ..core.validation import check_int
+from ..hooks.families import unwrap
 
 __all__ = [
     "as_batches",
+    "check_mask",
     "check_tokens",
     "context_length",
     "derive_mask",
@@ -59,10 +61,14 @@ def unpack_batch(batch: Any) -> tuple[Tensor, Tensor | None]:
             "text_batches(tokenizer, texts) to tokenise it."
         )
     ids = torch.as_tensor(ids)
-    if ids.ndim != 2 or ids.dtype.is_floating_point:
+    if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise UsageError(
             f"a batch must be (batch, pos) integer token ids or a dict with input_ids and "
             f"attention_mask; got {tuple(ids.shape)} {ids.dtype}."
+        )
+    if ids.numel() == 0:
+        raise UsageError(
+            f"a batch of shape {tuple(ids.shape)} holds no tokens; drop it from batches."
         )
     if mask is not None:
         mask = torch.as_tensor(mask)
@@ -70,7 +76,30 @@ def unpack_batch(batch: Any) -> tuple[Tensor, Tensor | None]:
             raise UsageError(
                 f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(ids.shape)}."
             )
+        check_mask(mask)
     return ids, mask
+
+
+def check_mask(mask: Tensor) -> None:
+    """An attention mask holds only 0 and 1 (bool or numbers) and keeps at least one
+    position per sequence: any other value (2, −1, NaN) would be read as "keep" by one
+    backend and as a bias by another, and a sequence with nothing kept makes NaN
+    attention. Checked before any pass, so the fault is named instead of skewing results."""
+    if mask.dtype != torch.bool:
+        binary = (mask == 0) | (mask == 1)
+        if not bool(binary.all()):
+            bad = mask[~binary].flatten()[0].item()
+            raise UsageError(
+                f"attention_mask holds {bad!r}; it must hold only 0 (padding) and 1 (a "
+                "token): pass mask.bool() or (mask > 0).long() if that is what you mean."
+            )
+    kept = mask.bool().any(-1)
+    if not bool(kept.all()):
+        rows = torch.nonzero(~kept).flatten().tolist()[:8]
+        raise UsageError(
+            f"attention_mask keeps no position of sequences {rows}; drop those sequences "
+            "(each needs at least one token with mask 1)."
+        )
 
 
 def text_batches(
@@ -194,12 +223,22 @@ def as_batches(model: Any, batches: Any, *, batch_size: int = 8) -> list[Any]:
 def iter_batches(model: Any, batches: Any, *, batch_size: int = 8) -> Iterator[Any]:
     """`as_batches`, lazily: a generator of batches is read one batch at a time. Every
     batch of token ids without a mask passes through `with_mask`, the one place where
-    padding is found."""
-    for batch in _iter_raw(model, batches, batch_size):
-        yield with_mask(model, batch)
+    padding is found; each batch is then checked (`unpack_batch`, `check_tokens` against
+    ``model``) before it is yielded, and no batch at all is a `UsageError`: every entry
+    point fails on what the caller passed, naming it, instead of deep inside a model or
+    with an empty result."""
+    n = 0
+    for raw in _items(model, batches, batch_size):
+        batch = with_mask(model, raw)
+        ids, _ = unpack_batch(batch)
+        check_tokens(model, ids, what="batches")
+        n += 1
+        yield batch
+    if n == 0:
+        raise UsageError("batches holds no batch; pass at least one batch of token ids or text.")
 
 
-def _iter_raw(model: Any, batches: Any, batch_size: int) -> Iterator[Any]:
+def _items(model: Any, batches: Any, batch_size: int) -> Iterator[Any]:
     if isinstance(batches, Tensor):
         if batches.ndim == 1:
             yield batches[None]
@@ -243,18 +282,26 @@ def _tokenizer(model: Any) -> Any:
 # ----------------------------------------------------------- what the model takes
 def vocabulary_size(model: Any) -> int | None:
     """How many token ids the model embeds: TransformerLens ``cfg.d_vocab``, else a
-    Hugging Face ``config.vocab_size``; None when the model says neither."""
+    Hugging Face ``config.vocab_size`` (of the model or the HF model it wraps, as an
+    nnsight model does); None when the model says neither."""
     size = getattr(getattr(model, "cfg", None), "d_vocab", None)
-    size = size or getattr(getattr(model, "config", None), "vocab_size", None)
-    return int(size) if size else None
+    for m in (model, _inner(model)):
+        size = size or getattr(getattr(m, "config", None), "vocab_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else None
 
 
 def context_length(model: Any) -> int | None:
     """The longest sequence the model takes: TransformerLens ``cfg.n_ctx``, else a Hugging
-    Face ``config.max_position_embeddings``; None when the model says neither."""
+    Face ``config.max_position_embeddings`` (of the model or the HF model it wraps); None
+    when the model says neither."""
     size = getattr(getattr(model, "cfg", None), "n_ctx", None)
-    size = size or getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return int(size) if size else None
+    for m in (model, _inner(model)):
+        size = size or getattr(getattr(m, "config", None), "max_position_embeddings", None)
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
+def _inner(model: Any) -> Any:
+    return unwrap(model, strict=False)
 
 
 def check_tokens(
@@ -263,22 +310,27 @@ def check_tokens(
     *,
     source: str = "the model",
     fix: str = "tokenize the text with this model's tokenizer",
+    what: str = "token ids",
 ) -> None:
     """Token ids ``(..., seq_len)`` must lie in the model's vocabulary and each sequence
     within its context, checked before any pass: past either, the model fails deep inside
     (an IndexError in an embedding) or, with rotary positions, runs on silently.
-    ``source`` names the model in the message, ``fix`` says what to do about foreign ids."""
+    ``source`` names the model in the message, ``fix`` says what to do about foreign ids,
+    ``what`` names the argument that holds them."""
+    if ids.numel() == 0:
+        raise UsageError(f"{what} hold no tokens (shape {tuple(ids.shape)}); pass some.")
     vocab = vocabulary_size(model)
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or (vocab is not None and high >= vocab):
         raise UsageError(
-            f"token ids run from {low} to {high}, outside the vocabulary [0, {vocab}) of "
-            f"{source}: {fix}."
+            f"{what}: token ids run from {low} to {high}, outside the vocabulary [0, {vocab}) "
+            f"of {source}: {fix}."
         )
     context = context_length(model)
     if context is not None and ids.shape[-1] > context:
         raise UsageError(
-            f"seq_len={ids.shape[-1]} exceeds the {context} positions of {source}; lower seq_len."
+            f"{what}: seq_len={ids.shape[-1]} exceeds the {context} positions of {source}; "
+            "lower seq_len (or cut the sequences)."
         )
 
 

@@ -313,7 +313,22 @@ def check_model_folder(folder: Path, *, tokenizer: bool = True) -> None:
     config = folder / "config.json"
     if not config.is_file():
         raise MissingFileError(f"{folder} is a folder but has no config.json; not an HF model.")
-    read_json(config, dict, fix="restore the model folder")
+    settings = read_json(config, dict, fix="restore the model folder")
+    if not isinstance(settings.get("model_type"), str):
+        raise CorruptFileError(
+            f"{config} names no model_type, so no architecture can be built from it; restore "
+            "the model folder (save_pretrained writes a complete config.json)."
+        )
+    if "auto_map" in settings:
+        raise UsageError(
+            f"{config} asks for remote code (auto_map: {sorted(settings['auto_map'])}); "
+            "tangentlens never runs code shipped with a model, and nothing was run: if "
+            f"transformers ships model_type {settings['model_type']!r}, delete auto_map from "
+            "config.json; else load the model where you trust its code (trust_remote_code="
+            "True) and pass the model object to the Python API."
+        )
+    if (folder / "tokenizer.json").is_file():
+        read_json(folder / "tokenizer.json", dict, fix="restore the model folder's tokenizer")
     weights = _safetensors_files(folder)
     if not weights:
         pickled = sorted(f.name for f in folder.iterdir() if f.suffix in _PICKLE_SUFFIXES)

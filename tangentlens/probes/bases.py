@@ -8,13 +8,22 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import BasisSiteWarning, CorruptFileError, UsageError
-from ..core.files import load_tensors, save_tensors
+from ..core.errors import BasisSiteWarning, BasisWeightsWarning, CorruptFileError, UsageError
+from ..core.files import load_tensors, save_tensors, tensor_hash
 from ..core.stats import Moments
 from ..core.subspace import TangentBasis
+from ..hooks.families import unwrap
 from ..hooks.sites import KINDS, Site
 
-__all__ = ["BasisSet", "as_bases", "site_order", "warn_basis_sites"]
+__all__ = [
+    "BasisSet",
+    "as_bases",
+    "check_basis_sites",
+    "site_order",
+    "warn_basis_sites",
+    "warn_basis_weights",
+    "weights_hash",
+]
 
 
 class BasisSet(Mapping[str, TangentBasis]):
@@ -149,4 +158,67 @@ def warn_basis_sites(used: Mapping[Site, TangentBasis], *, stacklevel: int = 3) 
                 "fitted at: site='attn_in' or site='resid_pre'."
             ),
             stacklevel=stacklevel,
+        )
+
+
+def weights_hash(model: Any) -> str | None:
+    """`tensor_hash` of the input and output embeddings of the Hugging Face model inside
+    ``model``: the tensors every wrapper keeps as they are (a TransformerLens bridge
+    renames modules, splits fused projections and adds zero biases, so a hash of the
+    whole state would differ between backends for one model), and that differ between
+    two models of one width or a model and its fine-tuned copy. None when the model has
+    no embeddings to read."""
+    try:
+        inner = unwrap(model, strict=False)
+        found = {"in": inner.get_input_embeddings().weight}
+        out = inner.get_output_embeddings()
+        if out is not None and out.weight.data_ptr() != found["in"].data_ptr():
+            found["out"] = out.weight
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+        return None
+    return tensor_hash(found)
+
+
+def warn_basis_weights(
+    used: Mapping[Site, TangentBasis], model: Any, *, stacklevel: int = 3
+) -> None:
+    """One `BasisWeightsWarning` naming the sites whose basis records (``weight_hash`` in
+    its provenance, as `fit_bases` writes it) other weights than ``model`` holds: a basis
+    of another model of the same width fits every shape check and measures nothing. The
+    model is hashed only when a basis records a hash. Using a basis on other weights on
+    purpose (a fine-tuned or later checkpoint): filter the warning by its class."""
+    recorded = {s: b.provenance.get("weight_hash") for s, b in used.items()}
+    if not any(isinstance(h, str) for h in recorded.values()):
+        return
+    now = weights_hash(model)
+    other = [s.hook_name for s, h in recorded.items() if isinstance(h, str) and h != now]
+    if now is not None and other:
+        warnings.warn(
+            BasisWeightsWarning(
+                f"the bases at {other[:4]}{' ...' if len(other) > 4 else ''} were fitted on "
+                "other weights than this model holds (their provenance's weight_hash "
+                "differs): refit them with fit_bases on this model, or filter "
+                "BasisWeightsWarning if other weights are meant."
+            ),
+            stacklevel=stacklevel,
+        )
+
+
+def check_basis_sites(used: Mapping[Site, TangentBasis], argument: str = "bases") -> None:
+    """A `UsageError` naming each site whose basis records (``provenance["site"]``) that it
+    was fitted at another site: removing a part of an activation in the coordinates of
+    another site's subspace measures nothing about this one."""
+    wrong = []
+    for site, basis in used.items():
+        fitted = basis.provenance.get("site")
+        try:
+            fitted_site = None if fitted is None else Site.parse(fitted).without_head()
+        except (UsageError, TypeError):
+            fitted_site = None
+        if fitted_site is not None and fitted_site != site.without_head():
+            wrong.append(f"{site.without_head().hook_name} (fitted at {fitted_site.hook_name})")
+    if wrong:
+        raise UsageError(
+            f"{argument} holds bases fitted at other sites: {'; '.join(wrong)}; pass the "
+            "BasisSet fit_bases returned, keyed by the site each basis was fitted at."
         )

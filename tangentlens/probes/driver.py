@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 
 from ..core.compute import site_map
 from ..core.errors import UnstableBasisWarning, UsageError
-from ..core.files import tensor_hash
 from ..core.stats import Moments, state_dtype
 from ..core.subspace import TangentBasis, near_chance, split_half_overlap
 from ..hooks.base import get_backend
@@ -29,7 +28,7 @@ from ..hooks.sites import INPUT_KINDS, RESIDUAL_KINDS, NamesFilter, Site
 from ..models.batches import as_batches, draw_masked, iter_batches, unpack_batch, vocabulary_size
 from ..version import __version__
 from .base import first_equal
-from .bases import BasisSet
+from .bases import BasisSet, weights_hash
 from .session import ProbeSession
 
 __all__ = ["LOSSES", "fit_bases", "lm_loss", "masked_positions", "mlm_loss", "run"]
@@ -299,7 +298,7 @@ def fit_bases(
         "rank": rank,
         "variance": variance,
         "n_tokens": max(m.count for m in moments.values()),
-        "weight_hash": _weight_hash(model),
+        "weight_hash": weights_hash(model),
         "library": f"tangentlens {__version__}",
         **(provenance or {}),
     }
@@ -345,10 +344,3 @@ def _same_tensor(
     return moments[a].identical(moments[b]) and all(
         a in h and b in h and h[a].identical(h[b]) for h in halves
     )
-
-
-def _weight_hash(model: Any) -> str | None:
-    try:
-        return tensor_hash(model.state_dict())
-    except (AttributeError, TypeError, RuntimeError):
-        return None

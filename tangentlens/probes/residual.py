@@ -162,6 +162,12 @@ class ResidualProbe(Probe):
 
     def update(self, obs: Observation) -> None:
         sums = energy_sums(obs.tensor, self.bases[obs.site], obs.mask)
+        if not bool(torch.isfinite(sums).all()):  # NaN would pass into every share silently
+            raise UsageError(
+                f"the activation at {obs.site.hook_name} holds NaN or Inf; check the model's "
+                "weights and dtype (overflow in float16?), or mask those positions with the "
+                "attention mask."
+            )
         state = self.state(obs.site.hook_name)
         update = torch.zeros_like(state.value, device=sums.device)
         update[obs.group % self.n_groups] = sums

@@ -31,15 +31,16 @@ from ..core.errors import UsageError
 from ..core.results import frame
 from ..core.stats import Moments, SharedBatch, state_dtype
 from ..core.subspace import TangentBasis
-from ..core.validation import check_int
+from ..core.validation import check_int, check_layers
 from ..hooks.base import Backend, Handle, get_backend
 from ..hooks.families import unwrap
 from ..hooks.sites import NamesFilter, Site, missing_site_error, select_sites
+from ..models.batches import check_mask
 from . import registry, weight_gradient  # noqa: F401 (each probe module registers its probe)
 from .activation import ActivationProbe
 from .attention import AttentionProbe
 from .base import Observation, Probe, row
-from .bases import as_bases, site_order
+from .bases import as_bases, site_order, warn_basis_weights
 from .gradient import GradientProbe
 from .registry import Plan
 from .residual import ResidualProbe
@@ -51,16 +52,7 @@ _MAX_PENDING = 64  # forward masks kept per site while waiting for their backwar
 
 
 def _as_layers(layers: int | Iterable[int] | None, n_layers: int) -> list[int]:
-    if layers is None:
-        return list(range(n_layers))
-    chosen = [layers] if isinstance(layers, int) else list(layers)
-    bad = [layer for layer in chosen if not isinstance(layer, int) or not 0 <= layer < n_layers]
-    if bad:
-        raise UsageError(
-            f"layers {bad} do not exist: this model has layers 0..{n_layers - 1}; "
-            "pass layers=None for all."
-        )
-    return sorted(set(chosen))
+    return check_layers(layers, n_layers)
 
 
 class ProbeSession:
@@ -132,6 +124,7 @@ class ProbeSession:
         self.group_of = group_of
         self.options = {**known, **options}
         self.bases = as_bases(bases)
+        warn_basis_weights(self.bases, model, stacklevel=4)
         self.skipped: dict[str, str] = {}  # probe name -> why it cannot run on this model
         self.probes: dict[str, Probe] = self._plan(sites, seed) if names else {}
         for p in own:
@@ -288,6 +281,8 @@ class ProbeSession:
     def _on_inputs(self, mask: Tensor | None) -> None:
         self._passes += 1
         self._group = self._passes if self.group_of is None else int(self.group_of(self._passes))
+        if mask is not None:
+            check_mask(mask)  # 2, -1 or NaN would silently count as "keep"
         # bool once per pass, so every site sees the same mask tensor (see SharedBatch)
         self._mask = None if mask is None else mask.bool()
 

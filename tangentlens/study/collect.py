@@ -27,7 +27,14 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..core.errors import CorruptFileError, UsageError
-from ..core.files import check_safetensors, config_digest, load_tensors, save_tensors, tensor_hash
+from ..core.files import (
+    CONTENT_KEY,
+    check_safetensors,
+    config_digest,
+    load_tensors,
+    save_tensors,
+    tensor_hash,
+)
 from ..core.stats import Moments
 from ..data import corpus
 from ..hooks.base import get_backend
@@ -115,9 +122,12 @@ def probe_set(cfg: StudyConfig, series: Any, out: Path) -> tuple[Tensor, Tensor]
 
 def load_probe_set(path: Path, cfg: StudyConfig) -> tuple[Tensor, Tensor] | None:
     """A saved probe set, checked whole (int64 token blocks of the configured shape, ids
-    inside the counted vocabulary); None when other settings made it. Damage is a
-    `CorruptFileError`."""
-    tensors, header = load_tensors(path)
+    inside the counted vocabulary, tensors matching their content hash); None when other
+    settings made it or it carries no content hash (it cannot be verified: made again).
+    Damage is a `CorruptFileError`."""
+    if CONTENT_KEY not in (check_safetensors(path).get("__metadata__") or {}):
+        return None
+    tensors, header = load_tensors(path, verified=True)
     try:
         meta = json.loads(header["probe_set"])
         tokens, counts = tensors["tokens"], tensors["counts"]
@@ -142,22 +152,31 @@ def load_probe_set(path: Path, cfg: StudyConfig) -> tuple[Tensor, Tensor] | None
 
 
 def stale_parts(cfg: StudyConfig, series: Any, out: Path, tokens: Tensor) -> list[int]:
-    """Indices of the checkpoints whose part must be computed: missing, or made with other
-    settings or another probe set (deleted here: a part is reused only when verified)."""
+    """Indices of the checkpoints whose part must be computed: missing, made with other
+    settings or another probe set, without a content hash (unverifiable), or from other
+    weights than the checkpoint records now (retrained in place). Such parts are deleted
+    here: a part is reused only when verified, and recomputing it is the fix."""
     digest = _part_digest(cfg, tokens)
     todo = []
     for i, ckpt in enumerate(series):
         path = part_path(out, ckpt.step)
+        if path.is_dir():
+            raise CorruptFileError(
+                f"{path} is a folder where a study part belongs; delete it to recompute."
+            )
         if path.is_file():
             meta = check_safetensors(path).get("__metadata__") or {}
             try:
-                made_by = json.loads(meta[PART_KEY]).get("collect")
+                made = json.loads(meta[PART_KEY])
+                made_by = made.get("collect")
             except (KeyError, ValueError, AttributeError) as err:
                 raise CorruptFileError(
                     f"{path} is not a readable study part ({type(err).__name__}: {err}); "
                     "delete it and rerun the study."
                 ) from err
-            if made_by == digest:
+            weights = ckpt.metadata.get("weights_hash")
+            fresh = not weights or made.get("weights_hash") in (None, weights)
+            if made_by == digest and CONTENT_KEY in meta and fresh:
                 continue
             path.unlink()
         todo.append(i)
@@ -165,14 +184,16 @@ def stale_parts(cfg: StudyConfig, series: Any, out: Path, tokens: Tensor) -> lis
 
 
 def check_parts_match(series: Any, parts: dict[int, Any]) -> None:
-    """A resumed part must come from the weights the checkpoint holds now (checked where
-    the checkpoint records its weights hash, as the trainer's do)."""
+    """A part must come from the weights its checkpoint records (`stale_parts` recomputes
+    a part of other weights first, so a mismatch left here is a checkpoint whose recorded
+    weights hash does not fit its own weights)."""
     for c in series:
         expected = c.metadata.get("weights_hash")
         if expected and parts[c.step].meta["weights_hash"] != expected:
-            raise UsageError(
-                f"parts/step{c.step}.safetensors was computed from other weights than "
-                f"{c.source} holds now (retrained?); use a new output folder."
+            raise CorruptFileError(
+                f"{c.source} holds other weights than the weights_hash its metadata records "
+                f"(parts/step{c.step}.safetensors was computed from the weights as they are); "
+                "restore that checkpoint, or retrain it so its metadata is written again."
             )
 
 
@@ -407,7 +428,7 @@ class Part:
 
 def load_part(path: Path) -> Part:
     """Read a part file; anything missing or malformed is a `CorruptFileError`."""
-    tensors, header = load_tensors(path)
+    tensors, header = load_tensors(path, verified=True)
     if PART_KEY not in header:
         raise CorruptFileError(f"{path} is not a study part; delete it and rerun the study.")
     try:
@@ -436,6 +457,9 @@ def load_part(path: Path) -> Part:
         moments = {key: Moments().load_state_dict(st) for key, st in states.items()}
         n_groups = meta["n_groups"]
         embed = tensors["embed"]
+        for name in ("embed", *(f"sample/{s.hook_name}" for s in samples)):
+            if tensors[name].is_floating_point() and not bool(torch.isfinite(tensors[name]).all()):
+                raise ValueError(f"{name} holds NaN or Inf: the file is damaged")
         widths = [m.d for m in moments.values() if m.count]
         widths += [t.shape[-1] for t in [*samples.values(), embed]]
         if embed.ndim != 2 or any(n != d for n in widths):

@@ -18,6 +18,7 @@ from ..core.validation import (
     BACKENDS,
     CONTROLS,
     check_encoding,
+    check_limits,
     check_rank,
     check_seq_len,
     check_window_fraction,
@@ -126,6 +127,7 @@ class StudyConfig:
             if not is_int(value) or value < 1:
                 raise UsageError(f"StudyConfig.{name} must be a positive int; got {value!r}.")
             setattr(self, name, int(value))
+        check_limits(self, "StudyConfig")
         self.encoding = check_encoding(self.encoding, "StudyConfig.encoding")
         self.seq_len = check_seq_len(self.seq_len, "StudyConfig.seq_len")
         self.window_fraction = check_window_fraction(
