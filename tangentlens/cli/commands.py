@@ -213,7 +213,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    """Run the training-dynamics study over a checkpoint series and write the report."""
+    """Run the training-dynamics study over a checkpoint series (or over each seed's series
+    of one design, and the verdicts over all of them) and write the reports."""
     from ..report import format_summary, summary
     from . import workflows
 
@@ -235,16 +236,14 @@ def cmd_study(args: argparse.Namespace) -> int:
     )
     out = Path(args.out).expanduser()
     start = time.perf_counter()
-    if len(args.checkpoints) == 1:
-        series = workflows.series_seeds(args.checkpoints)
-        if len(series) == 1:  # one series: the study goes into OUT itself
-            config = workflows.study_config(args.checkpoints[0], **options)
-            progress = not args.quiet
-            table = workflows.run_study(config, out, world_size=args.world_size, progress=progress)
-            _say(f"\nreport: {out / 'report.html'} ({time.perf_counter() - start:.0f} s)")
-            _say(format_summary(summary(table)))
-            return 0
     series = workflows.series_seeds(args.checkpoints)
+    if list(series.values()) == args.checkpoints[:1]:  # one series: its study goes into OUT
+        config = workflows.study_config(args.checkpoints[0], **options)
+        progress = not args.quiet
+        table = workflows.run_study(config, out, world_size=args.world_size, progress=progress)
+        _say(f"\nreport: {out / 'report.html'} ({time.perf_counter() - start:.0f} s)")
+        _say(format_summary(summary(table)))
+        return 0
     configs = {seed: workflows.study_config(path, **options) for seed, path in series.items()}
     _, claims = workflows.run_studies(
         configs, out, world_size=args.world_size, progress=not args.quiet, log=_say
