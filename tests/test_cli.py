@@ -259,6 +259,10 @@ def test_train_an_encoder_per_seed_then_study_the_seeds(
         assert model["architectures"] == ["BertForMaskedLM"]
     tokenizers = {(runs / f"seed{s}" / "tokenizer" / "tokenizer.json").read_bytes() for s in (0, 1)}
     assert len(tokenizers) == 1
+    assert main(["train", "--quick", "--out", str(runs), "-q"]) == 2  # one run in a seeds folder
+    assert "holds the output of `tangentlens train --seeds`" in capsys.readouterr().err
+    again = ["train", "--quick", "--objective", "masked", "--n-seeds", "2", "--out", str(runs)]
+    assert main([*again, "-q"]) == 0  # the same seeds: each run is finished, nothing redone
     out = tmp_path / "study"
     assert main(["study", "--quick", "--checkpoints", str(runs), "--out", str(out), "-q"]) == 0
     summary = json.loads((out / "summary.json").read_text())

@@ -329,7 +329,7 @@ def train_seeds(
     seeds = check_seeds(seeds, "--seeds")
     design = {k: v for k, v in config.to_dict().items() if k not in ("seed", "split_seed")}
     folders: dict[int, Path] = {}
-    with lock_folder(out, "train") as lock:
+    with lock_folder(out, "train --seeds") as lock:  # its own name: no single run mixes in
         lock.claim(design, ("seed*",), results=("seed*/step*", "step*"))
         remove_stale_temporaries(out)
         shared: Path | None = None
@@ -455,7 +455,7 @@ def run_studies(
     tables: dict[int, pd.DataFrame] = {}
     kinds: dict[int, str] = {}
     series = {str(seed): cfg.checkpoints for seed, cfg in configs.items()}
-    with lock_folder(out, "study") as lock:
+    with lock_folder(out, "study per seed") as lock:  # its own name: no single study mixes in
         lock.claim({"series": series}, ("seed*", SUMMARY_FILE), results=("seed*/results.csv",))
         remove_stale_temporaries(out)
         for n, (seed, cfg) in enumerate(configs.items()):
