@@ -322,7 +322,8 @@ def train_seeds(
     ``out/seed{S}/`` (`seed_config`); returns ``{seed: folder}``. Each seed's folder is its
     own run, resumed on its own; the seeds after the first copy its tokenizer (the same
     one, trained once). ``out`` itself is held for the whole run and records the design
-    (the config without its seeds), so adding seeds later resumes the same folder."""
+    (the config without its seeds), so seeds above the smallest (whose split all share)
+    can be added later to the same folder."""
     out = Path(out).expanduser()
     if seeds is None:
         return {config.seed: train(config, out, progress=progress)}
