@@ -1,7 +1,7 @@
 """The study's cost per checkpoint, as a ratio to a bare forward+backward over its probe set.
 
     .venv/bin/tangentlens demo --out runs/demo      # once: a trained series
-    .venv/bin/python benchmarks/bench_study.py [--checkpoints runs/demo/decoder/checkpoints]
+    .venv/bin/python benchmarks/bench_study.py [--checkpoints runs/demo/decoder/seed0/checkpoints]
                                                [--repeat 3] [--index -1]
 
 For one checkpoint of the series (the last by default), interleaved in one process:
@@ -39,7 +39,7 @@ from tangentlens.study.config import open_series, threads
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoints", default="runs/demo/decoder/checkpoints")
+    ap.add_argument("--checkpoints", default="runs/demo/decoder/seed0/checkpoints")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--index", type=int, default=-1, help="which checkpoint (default: last)")
     args = ap.parse_args()

@@ -106,6 +106,15 @@ def test_bad_input_gives_one_line_and_exit_2(
         "window fraction": (["study", "--checkpoints", tiny, "--out", out,
                              "--window-fraction", "0.9"], "fraction"),
         "train into a file": (["train", "--quick", "--out", str(not_a_dir)], "writable"),
+        "empty and bad seeds": (["train", "--out", out, "--seeds", "0,,x"], "'' is no seed"),
+        "repeated seed": (["demo", "--out", out, "--seeds", "1,2,1"], "repeats seed 1"),
+        "negative seed": (["train", "--out", out, "--seeds", "0,-1"], "'-1' is no seed"),
+        "seeds and a seed": (["train", "--out", out, "--seeds", "0,1", "--seed", "2"],
+                             "not allowed with"),
+        "series without seeds": (["study", "--checkpoints", tiny, str(no_config), "--out", out],
+                                 "seed{S}"),
+        "one seed twice": (["study", "--checkpoints", str(tmp_path / "a" / "seed1"),
+                            str(tmp_path / "b-seed1"), "--out", out], "both seed 1"),
     }  # fmt: skip
     for name, (argv, needle) in cases.items():
         line = _error(argv, capsys)
@@ -176,33 +185,54 @@ def test_demo_prints_each_claim_from_the_typed_claims(
 
 
 def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """`demo --quick` end to end: a decoder and an encoder, each a full study folder, the
-    verdicts in summary.json and an overview page; then `train`, `study` and `report` on
-    the decoder's folders (they resume: same configuration, nothing is redone)."""
+    """`demo --quick --seeds 0,1` end to end: a decoder and an encoder per seed, each a
+    full study folder, one probe set per kind, the verdicts and the seeds in summary.json
+    and an overview page; then `train`, `study` and `report` on a decoder seed's folders
+    (they resume: same configuration, nothing is redone), and `study` over both seeds."""
     out = tmp_path / "demo"
-    assert main(["demo", "--quick", "--out", str(out), "-q"]) == 0
+    assert main(["demo", "--quick", "--seeds", "0,1", "--out", str(out), "-q"]) == 0
     printed = capsys.readouterr().out
     assert "report:" in printed and "summary:" in printed and "verdicts" in printed
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["seeds"] == [0, 1] and summary["models"] == ["decoder", "encoder"]
     assert [Claim.from_dict(c).to_dict() for c in summary["claims"]] == summary["claims"]
     verdicts = {c["verdict"] for c in summary["claims"]}
     assert verdicts <= set(VERDICTS) and verdicts  # one seed: at most "suggests ..."
     kinds = {(c["model"], c["gradient_object"]) for c in summary["claims"]}
     for model in ("decoder", "encoder"):
         assert {(model, "gradient"), (model, "weight_gradient")} <= kinds
-        folder = out / model
-        steps = sorted(int(p.name[4:]) for p in (folder / "checkpoints").glob("step*"))
-        assert steps == [0, 1, 2, 4, 8]
-        assert (folder / "results.csv").is_file() and (folder / "manifest.json").is_file()
-        table = pd.read_csv(folder / "results.csv")
-        heads = table[table["statistic"] == "score_share_TT"]  # heads inside the study
-        assert set(heads["step"]) == set(steps) and heads["head"].notna().all()
-        assert (folder / "report.html").read_text().count("data:image/png;base64,") == 6
-    assert (out / "report.html").read_text().count("data:image/png;base64,") == 12
+        assert sorted(p.name for p in (out / model).iterdir()) == ["seed0", "seed1"]
+        probe_sets, weights = set(), set()
+        for seed in (0, 1):
+            folder = out / model / f"seed{seed}"
+            steps = sorted(int(p.name[4:]) for p in (folder / "checkpoints").glob("step*"))
+            assert steps == [0, 1, 2, 4, 8]
+            assert (folder / "results.csv").is_file() and (folder / "manifest.json").is_file()
+            manifest = json.loads((folder / "manifest.json").read_text())
+            probe_sets.add(manifest["probe_set"]["tokens_hash"])
+            weights.add(manifest["weights_hashes"]["0"])
+            table = pd.read_csv(folder / "results.csv")
+            heads = table[table["statistic"] == "score_share_TT"]  # heads inside the study
+            assert set(heads["step"]) == set(steps) and heads["head"].notna().all()
+            assert (folder / "report.html").read_text().count("data:image/png;base64,") == 6
+        assert len(probe_sets) == 1 and len(weights) == 2  # one probe set; two initialisations
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 24
 
-    decoder = out / "decoder"
+    decoder = out / "decoder" / "seed0"
     ckpt = str(decoder / "checkpoints")
-    assert main(["train", "--quick", "--out", ckpt, "-q"]) == 0
+    assert main(["train", "--quick", "--out", ckpt, "-q"]) == 0  # seed 0: the same run
+    seeds = [str(out / "decoder" / f"seed{s}" / "checkpoints") for s in (0, 1)]
+    both = tmp_path / "both"
+    assert main(["study", "--quick", "--checkpoints", *seeds, "--out", str(both), "-q"]) == 0
+    assert "summary:" in capsys.readouterr().out
+    summary = json.loads((both / "summary.json").read_text())
+    assert summary["seeds"] == [0, 1] and summary["models"] == ["decoder"]
+    for seed in (0, 1):  # each seed's study equals the demo's own
+        mine = pd.read_csv(both / f"seed{seed}" / "results.csv")
+        demo = pd.read_csv(out / "decoder" / f"seed{seed}" / "results.csv")
+        assert mine[mine["probe"] == "window"]["value"].tolist() == (
+            demo[demo["probe"] == "window"]["value"].tolist()
+        )
     assert main(["study", "--quick", "--checkpoints", ckpt, "--out", str(decoder), "-q"]) == 0
     assert "paper:" in capsys.readouterr().out
     (decoder / "report.html").unlink()
@@ -210,6 +240,36 @@ def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixt
     again = (decoder / "report.html").read_text()
     assert again.count("data:image/png;base64,") == 6
     assert (decoder / "figures" / "energy_over_training.png").is_file()
+
+
+def test_train_an_encoder_per_seed_then_study_the_seeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`train --objective masked --seeds 0,1` makes one encoder series per seed with one
+    tokenizer and one split; `study` over their folder studies each seed as an encoder."""
+    runs = tmp_path / "runs"
+    argv = ["train", "--quick", "--objective", "masked", "--seeds", "0,1", "--out", str(runs)]
+    assert main([*argv, "-q"]) == 0
+    assert "seed" in capsys.readouterr().out
+    for seed in (0, 1):
+        folder = runs / f"seed{seed}"
+        config = json.loads((folder / "train_config.json").read_text())
+        assert config["objective"] == "masked" and config["seed"] == seed
+        assert config["split_seed"] == (None if seed == 0 else 0)  # the split of seed 0
+        model = json.loads((folder / "step8" / "config.json").read_text())
+        assert model["architectures"] == ["BertForMaskedLM"]
+    tokenizers = {(runs / f"seed{s}" / "tokenizer" / "tokenizer.json").read_bytes() for s in (0, 1)}
+    assert len(tokenizers) == 1
+    assert main(["train", "--quick", "--out", str(runs), "-q"]) == 2  # one run in a seeds folder
+    assert "holds the output of `tangentlens train --seeds`" in capsys.readouterr().err
+    again = ["train", "--quick", "--objective", "masked", "--n-seeds", "2", "--out", str(runs)]
+    assert main([*again, "-q"]) == 0  # the same seeds: each run is finished, nothing redone
+    out = tmp_path / "study"
+    assert main(["study", "--quick", "--checkpoints", str(runs), "--out", str(out), "-q"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["models"] == ["encoder"] and summary["seeds"] == [0, 1]
+    assert {c["model"] for c in summary["claims"]} == {"encoder"}
+    assert (out / "seed1" / "report.html").is_file()
 
 
 def test_probe_data_parallel_equals_one_process(tmp_path: Path) -> None:

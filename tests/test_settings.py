@@ -149,7 +149,8 @@ def test_probe_quiet(probe_call: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- train
-TRAIN_OPTIONS = ("corpus", "encoding", "max_steps", "seed")  # CLI dest = TrainConfig field
+TRAIN_OPTIONS = ("corpus", "encoding", "max_steps", "seed", "objective")  # = TrainConfig field
+SEED_OPTIONS = ("seeds", "n_seeds")  # of `workflows.train_seeds` and `workflows.demo`
 
 
 def _train_call(argv: list[str], monkeypatch: pytest.MonkeyPatch, out: Path) -> dict[str, Any]:
@@ -161,7 +162,7 @@ def _train_call(argv: list[str], monkeypatch: pytest.MonkeyPatch, out: Path) -> 
 
 
 def test_train_lists_every_option() -> None:
-    assert _options("train") == {*TRAIN_OPTIONS, "out", "quick", "quiet"}
+    assert _options("train") == {*TRAIN_OPTIONS, *SEED_OPTIONS, "out", "quick", "quiet"}
 
 
 @pytest.mark.parametrize("dest", TRAIN_OPTIONS)
@@ -178,6 +179,24 @@ def test_train_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     got = _train_call([], monkeypatch, tmp_path)
     assert got["progress"] == _param(TRAIN, "progress")
     assert _action("train", "quick").default == _param(workflows.train_config, "quick")
+
+
+def test_train_seeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Left out, --seeds and --n-seeds train one series (`train`, not `train_seeds`), as
+    `train_seeds` does with its default; given, they reach `train_seeds` as a tuple."""
+    assert _param(workflows.train_seeds, "seeds") == settings.TRAIN.seeds.default is None
+    assert _shown("train", "seeds") == settings.TRAIN.seeds.default_text
+    assert _shown("train", "n_seeds") == settings.TRAIN.n_seeds.default_text
+    got = _train_call([], monkeypatch, tmp_path)
+    assert got["config"].seed == _field(TrainConfig, "seed")
+
+    def stub(config: TrainConfig, out: Path, **options: Any) -> None:
+        raise Called(config=config, **options)
+
+    monkeypatch.setattr(workflows, "train_seeds", stub)
+    for argv, seeds in ((["--seeds", "2,0"], (2, 0)), (["--n-seeds", "3"], (0, 1, 2))):
+        got = _run(["train", "--out", str(tmp_path), *argv], monkeypatch)
+        assert got["seeds"] == seeds and got["progress"] is True
 
 
 def test_train_quick(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -263,7 +282,18 @@ def test_demo_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(workflows, "demo", stub)
     got = _run(["demo"], monkeypatch)
-    assert _options("demo") == {"out", "quick", "quiet"}
+    assert _options("demo") == {"out", "quick", "quiet", *SEED_OPTIONS}
+    # no --seeds: demo() picks its seeds, the ones the help names (and --quick's)
+    assert got["seeds"] is None is _param(DEMO, "seeds")
+    assert workflows.demo_seeds(None, quick=False) == settings.DEMO.seeds.default
+    assert workflows.demo_seeds(None, quick=True) == settings.QUICK_DEMO["seeds"]
+    quick = settings.shown(settings.QUICK_DEMO["seeds"])
+    assert f"(default: {settings.shown(settings.DEMO.seeds.default)}; {quick} with --quick)" in (
+        " ".join(_help("demo", "seeds").split())
+    )
+    assert _shown("demo", "n_seeds") == settings.DEMO.n_seeds.default_text
+    assert _run(["demo", "--seeds", "1,3"], monkeypatch)["seeds"] == (1, 3)
+    assert _run(["demo", "--n-seeds", "2"], monkeypatch)["seeds"] == (0, 1)
     out = _action("demo", "out").default  # the command line's own: demo() takes a folder
     assert got["out"] == Path(out) and _shown("demo", "out") == out
     assert got["quick"] == _param(DEMO, "quick")

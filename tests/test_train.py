@@ -71,11 +71,21 @@ def test_config_round_trip_and_validation():
         ({"objective": "mlm"}, "objective must be one of"),
         ({"objective": "masked", "vocab_size": 257}, "at least 258"),
         ({"d_model": 30, "n_heads": 2, "n_kv_heads": 1}, "even for rotary"),
+        ({"split_seed": -1}, "split_seed must be None"),
     ]
     for kwargs, message in bad:
         with pytest.raises(ValueError, match=message):
             TrainConfig(**kwargs)
     TrainConfig(objective="masked", d_model=30, n_heads=2)  # no rotary in BERT
+
+
+def test_split_seed_is_the_split_and_has_one_form():
+    """Seeds of one design share a split; a split seed equal to the seed is the default
+    split, stored as None, so a run is one config whether trained alone or as a seed."""
+    shared = TrainConfig.tiny(seed=2, split_seed=0)
+    assert shared.split == 0 and shared.split_seed == 0
+    alone = TrainConfig.tiny(seed=2, split_seed=2)
+    assert alone == TrainConfig.tiny(seed=2) and alone.split_seed is None and alone.split == 2
 
 
 def test_every_checkpoint_is_a_complete_hf_folder(tiny_run):

@@ -1,9 +1,9 @@
 """The ``tangentlens`` command (also ``python -m tangentlens``).
 
-    tangentlens demo [--out DIR] [--quick]         train, study, report: all offline
+    tangentlens demo [--out DIR] [--seeds 0,1,2] [--quick]  train, study, report: offline
     tangentlens probe --model NAME|FOLDER --out DIR one checkpoint: bases, probes, figures
-    tangentlens train --out DIR                     the small model, Pythia-like checkpoints
-    tangentlens study --checkpoints DIR|HUB_ID --out DIR
+    tangentlens train --out DIR [--seeds 0,1,2]     the small model, Pythia-like checkpoints
+    tangentlens study --checkpoints DIR|HUB_ID [...] --out DIR
     tangentlens report DIR                          re-render report.html from saved results
 
 Imports stay inside the commands so ``tangentlens --help`` answers without loading torch.
@@ -22,12 +22,29 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .. import __version__
 from ..core.errors import CorruptFileError, UsageError
-from ..core.settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY, TRAIN, Setting, shown
-from ..core.validation import BACKENDS, CONTROLS, check_seq_len, check_window_fraction
+from ..core.settings import (
+    DEMO,
+    PROBE,
+    QUICK_DEMO,
+    QUICK_STUDY,
+    QUICK_TRAIN,
+    STUDY,
+    TRAIN,
+    Setting,
+    shown,
+)
+from ..core.validation import (
+    BACKENDS,
+    CONTROLS,
+    OBJECTIVES,
+    check_seeds,
+    check_seq_len,
+    check_window_fraction,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -72,6 +89,20 @@ def _seed(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"a seed is an integer >= 0, got {text!r}")
     return value
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        return check_seeds(text, "--seeds")
+    except UsageError as error:
+        raise argparse.ArgumentTypeError(str(error).rstrip(".")) from None
+
+
+def _chosen_seeds(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """``--seeds``, or ``--n-seeds N`` as seeds 0..N-1, or None (neither given)."""
+    if args.n_seeds is not None:
+        return tuple(range(args.n_seeds))
+    return args.seeds
 
 
 def _seq_len(text: str) -> int:
@@ -165,22 +196,30 @@ def cmd_train(args: argparse.Namespace) -> int:
         encoding=args.encoding,
         max_steps=args.max_steps,
         seed=args.seed,
+        objective=args.objective,
     )
     start = time.perf_counter()
-    train(config, out, progress=not args.quiet)
+    seeds = _chosen_seeds(args)
+    if seeds is None:
+        train(config, out, progress=not args.quiet)
+    else:
+        workflows.train_seeds(config, out, seeds=seeds, progress=not args.quiet, log=_say)
     steps = config.steps
-    _say(f"checkpoints: {out} (steps {steps[0]}…{steps[-1]}, {time.perf_counter() - start:.0f} s)")
+    where = out if seeds is None else out / workflows.SEED_DIR.format("{S}")
+    _say(
+        f"checkpoints: {where} (steps {steps[0]}…{steps[-1]}, {time.perf_counter() - start:.0f} s)"
+    )
     return 0
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    """Run the training-dynamics study over a checkpoint series and write the report."""
+    """Run the training-dynamics study over a checkpoint series (or over each seed's series
+    of one design, and the verdicts over all of them) and write the reports."""
     from ..report import format_summary, summary
     from . import workflows
 
     ranks = args.rank or []
-    config = workflows.study_config(
-        args.checkpoints,
+    options = dict(
         quick=args.quick,
         backend=args.backend,
         rank=tuple(ranks) if len(ranks) > 1 else (ranks[0] if ranks else None),
@@ -197,9 +236,22 @@ def cmd_study(args: argparse.Namespace) -> int:
     )
     out = Path(args.out).expanduser()
     start = time.perf_counter()
-    table = workflows.run_study(config, out, world_size=args.world_size, progress=not args.quiet)
-    _say(f"\nreport: {out / 'report.html'} ({time.perf_counter() - start:.0f} s)")
-    _say(format_summary(summary(table)))
+    series = workflows.series_seeds(args.checkpoints)
+    if list(series.values()) == args.checkpoints[:1]:  # one series: its study goes into OUT
+        config = workflows.study_config(args.checkpoints[0], **options)
+        progress = not args.quiet
+        table = workflows.run_study(config, out, world_size=args.world_size, progress=progress)
+        _say(f"\nreport: {out / 'report.html'} ({time.perf_counter() - start:.0f} s)")
+        _say(format_summary(summary(table)))
+        return 0
+    configs = {seed: workflows.study_config(path, **options) for seed, path in series.items()}
+    _, claims = workflows.run_studies(
+        configs, out, world_size=args.world_size, progress=not args.quiet, log=_say
+    )
+    seconds = time.perf_counter() - start
+    _say(f"\nreports: {out / workflows.SEED_DIR.format('{S}') / 'report.html'} ({seconds:.0f} s)")
+    _say(f"summary: {out / workflows.SUMMARY_FILE} (seeds {', '.join(map(str, series))})")
+    _print_claims(claims)
     return 0
 
 
@@ -216,17 +268,38 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from . import workflows
 
     out = Path(args.out).expanduser()
-    done = workflows.demo(out, quick=args.quick, progress=not args.quiet, log=_say)
+    seeds = _chosen_seeds(args)
+    done = workflows.demo(out, quick=args.quick, seeds=seeds, progress=not args.quiet, log=_say)
     _say(f"\ntangentlens demo finished in {done.seconds:.0f} s")
+    spent = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in done.timings.items())
+    if spent:
+        _say(f"seeds {','.join(map(str, done.seeds))} per model kind; time: {spent}")
     _say(f"report:  {done.report.resolve()}")
     _say(f"summary: {(out / workflows.SUMMARY_FILE).resolve()}")
-    _say("\nthe paper's claims, verdicts from 95 % intervals:")
-    for c in done.claims:
-        _say(f"  [{c.verdict}] {c.model}, {c.gradient_object}: {c.paper}")
+    _print_claims(done.claims)
     return 0
 
 
+def _print_claims(claims: Sequence[Any]) -> None:
+    _say("\nthe paper's claims, verdicts from 95 % intervals:")
+    for c in claims:
+        _say(f"  [{c.verdict}] {c.model}, {c.gradient_object}: {c.paper}")
+
+
 # ----------------------------------------------------------------------------- parser
+def _seed_options(
+    parser: argparse.ArgumentParser, seeds: Setting, *, quick: object = None
+) -> argparse._MutuallyExclusiveGroup:
+    """``--seeds S,S,...`` and ``--n-seeds N`` (one of them; the group is returned so a
+    command can add its single ``--seed`` to it)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--seeds", metavar="S,S,...", type=_seeds, help=_help(seeds, quick=quick))
+    group.add_argument(
+        "--n-seeds", metavar="N", type=_positive_int, help=_help(DEMO.n_seeds, quick=None)
+    )
+    return group
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (no heavy imports)."""
     parser = _Parser(
@@ -242,9 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         parents=[common],
-        help="train, study and report, fully offline (at most 5 minutes)",
-        description="Train the small model on the embedded corpus (King James Bible), run "
-        "the study over its checkpoints, probe the attention heads, write report.html.",
+        help="train, study and report, fully offline (at most 6 minutes)",
+        description="Train the small model as a decoder and as an encoder, once per seed, "
+        "on the embedded corpus (King James Bible), run the study over each checkpoint "
+        "series, probe the attention heads, write the verdicts over all seeds "
+        "(summary.json) and report.html.",
     )
     demo.add_argument(
         "--out",
@@ -252,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="tangentlens-demo",
         help="output folder (default: %(default)s)",
     )
+    _seed_options(demo, DEMO.seeds, quick=QUICK_DEMO["seeds"])
     demo.add_argument("--quick", action="store_true", help="tiny configs: seconds (tests)")
     demo.set_defaults(func=cmd_demo, world_size=1)
 
@@ -311,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help=_help(TRAIN.max_steps, quick=QUICK_TRAIN["max_steps"]),
     )
-    train.add_argument("--seed", metavar="N", type=_seed, help=_help(TRAIN.seed))
+    train.add_argument("--objective", choices=OBJECTIVES, help=_help(TRAIN.objective))
+    seeds = _seed_options(train, TRAIN.seeds)
+    seeds.add_argument("--seed", metavar="N", type=_seed, help=_help(TRAIN.seed))
     train.add_argument("--quick", action="store_true", help="a tiny model: seconds")
     train.set_defaults(func=cmd_train)
 
@@ -326,8 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument(
         "--checkpoints",
         metavar="DIR|HUB_ID",
+        nargs="+",
         required=True,
-        help="a folder of step{N}/ checkpoints, or a hub id such as EleutherAI/pythia-70m",
+        help="a folder of step{N}/ checkpoints, or a hub id such as EleutherAI/pythia-70m; "
+        "several seeds of one design (each named seed{S} or a `tangentlens train` folder), "
+        "or the folder of `tangentlens train --seeds`: one study per seed into OUT/seed{S}/ "
+        "and the verdicts over all of them in OUT/summary.json",
     )
     study.add_argument("--out", metavar="DIR", required=True, help="output folder")
     study.add_argument("--backend", choices=BACKENDS, help=_help(STUDY.backend))

@@ -1,8 +1,11 @@
 """What each command does, as functions the CLI calls (and notebooks may too).
 
-`probe_model` (one model: bases, probes, tables, report), `train_config` (the small
-model's checkpoints), `run_study` (the study over a series), `render_report` and `demo`
-(a decoder and an encoder, all of it, offline).
+`probe_model` (one model: bases, probes, tables, report), `train_config` and
+`train_seeds` (the small model's checkpoints, one series per seed), `run_study` and
+`run_studies` (the study over a series, or over the seeds of one design), `render_report`
+and `demo` (a decoder and an encoder, several seeds each, all of it, offline).
+Seeds are the unit of replication: each seed is its own run in its own ``seed{S}/``
+folder, and the verdicts read every seed's table.
 Each takes keyword options and a ``log`` callable for its one-line progress messages; the
 CLI passes ``print``. Each command that writes a folder holds it as its one writer for the
 whole run (`tangentlens.core.files.lock_folder`) and writes only into a folder that it made
@@ -11,9 +14,11 @@ with the same configuration, or an empty one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,17 +29,27 @@ from torch import Tensor
 from ..core import results
 from ..core.errors import MissingFileError, UsageError
 from ..core.files import lock_folder, read_json, remove_stale_temporaries, write_json
-from ..core.settings import PROBE, QUICK_STUDY, QUICK_TRAIN, STUDY
+from ..core.settings import (
+    DEMO,
+    DEMO_STUDY,
+    PROBE,
+    QUICK_DEMO,
+    QUICK_STUDY,
+    QUICK_TRAIN,
+    STUDY,
+    TRAIN,
+)
 from ..core.validation import (
     check_backend,
     check_encoding,
     check_int,
     check_rank,
+    check_seeds,
     check_seq_len,
     is_int,
 )
 from ..data.corpus import encode, load_lines
-from ..data.train import TrainConfig, train
+from ..data.train import TOKENIZER_DIR, TrainConfig, train
 from ..hooks.base import get_backend
 from ..hooks.sites import Site
 from ..models.batches import check_tokens, context_length
@@ -54,13 +69,18 @@ __all__ = [
     "QUICK_STUDY",
     "DemoOutcome",
     "demo",
+    "demo_seeds",
     "probe_checkpoint",
     "probe_model",
     "render_report",
+    "run_studies",
     "run_study",
+    "seed_config",
+    "series_seeds",
     "study_config",
     "token_blocks",
     "train_config",
+    "train_seeds",
 ]
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -68,6 +88,8 @@ PROBE_OUTPUTS = ("results.csv", "results.json", "manifest.json", "report.html", 
 MODEL_KINDS = {"decoder": "causal", "encoder": "masked"}
 SUMMARY_FILE = "summary.json"
 DEMO_OUTPUTS = (*MODEL_KINDS, SUMMARY_FILE, "report.html", "figures")
+SEED_DIR = "seed{}"  # one run of a multi-seed design: OUT/seed{S}/
+_SEED_NAME = re.compile(r"(?:^|[-_/.])seed(\d+)$")  # runs/seed2, EleutherAI/pythia-70m-seed3
 Log = Callable[[str], None]
 
 
@@ -282,19 +304,65 @@ def train_config(
     return TrainConfig(**overrides)
 
 
+def seed_config(config: TrainConfig, seed: int, seeds: Sequence[int]) -> TrainConfig:
+    """``config`` for ``seed`` as one of ``seeds``: their runs share the train/probe split
+    of the smallest seed, so one probe set is held out from every seed's training."""
+    return dataclasses.replace(config, seed=seed, split_seed=min(seeds))
+
+
+def train_seeds(
+    config: TrainConfig,
+    out: Path,
+    *,
+    seeds: Sequence[int] | None = TRAIN.seeds.default,
+    progress: bool = True,
+    log: Log = _quiet,
+) -> dict[int, Path]:
+    """Train ``config`` into ``out`` (``seeds`` None), or once per seed into
+    ``out/seed{S}/`` (`seed_config`); returns ``{seed: folder}``. Each seed's folder is its
+    own run, resumed on its own; the seeds after the first copy its tokenizer (the same
+    one, trained once). ``out`` itself is held for the whole run and records the design
+    (the config without its seeds), so seeds above the smallest (whose split all share)
+    can be added later to the same folder."""
+    out = Path(out).expanduser()
+    if seeds is None:
+        return {config.seed: train(config, out, progress=progress)}
+    seeds = check_seeds(seeds, "--seeds")
+    design = {k: v for k, v in config.to_dict().items() if k not in ("seed", "split_seed")}
+    folders: dict[int, Path] = {}
+    with lock_folder(out, "train --seeds") as lock:  # its own name: no single run mixes in
+        lock.claim(design, ("seed*",), results=("seed*/step*", "step*"))
+        remove_stale_temporaries(out)
+        shared: Path | None = None
+        for n, seed in enumerate(seeds):
+            folder = out / SEED_DIR.format(seed)
+            log(f"[{n + 1}/{len(seeds)}] seed {seed} → {folder}")
+            train(seed_config(config, seed, seeds), folder, progress, tokenizer_from=shared)
+            shared = shared or folder / TOKENIZER_DIR
+            folders[seed] = folder
+    return folders
+
+
 # ----------------------------------------------------------------------------- study
-def _trained_with(checkpoints: str) -> dict[str, Any]:
-    """Corpus settings of a `tangentlens train` folder, so the study's probe set is the
-    trainer's held-out split and fits the model's context (empty for other series)."""
-    path = Path(checkpoints).expanduser() / "train_config.json"
+def _train_record(checkpoints: str) -> dict[str, Any]:
+    """The config a `tangentlens train` folder records (empty for other series)."""
     try:
-        saved = read_json(path)
+        saved = read_json(Path(checkpoints).expanduser() / "train_config.json")
     except (OSError, ValueError):  # not a train folder, or not its record: no settings
         return {}
-    if not isinstance(saved, dict):
-        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def _trained_with(checkpoints: str) -> dict[str, Any]:
+    """Corpus settings of a `tangentlens train` folder, so the study's probe set is the
+    trainer's held-out split (for one of several seeds, their shared split) and fits the
+    model's context (empty for other series)."""
+    saved = _train_record(checkpoints)
     keys = ("corpus", "encoding", "max_chars", "seq_len", "probe_fraction", "seed")
-    return {k: saved[k] for k in keys if k in saved}
+    found = {k: saved[k] for k in keys if k in saved}
+    if saved.get("split_seed") is not None:
+        found["seed"] = saved["split_seed"]
+    return found
 
 
 def study_config(checkpoints: str, *, quick: bool = False, **options: Any) -> StudyConfig:
@@ -331,6 +399,87 @@ def run_study(
     return table
 
 
+def _seed_folders(folder: Path) -> dict[int, Path]:
+    """The ``seed{S}/`` series in ``folder`` (what `train_seeds` writes), by seed."""
+    subs = [(re.fullmatch(r"seed(\d+)", p.name), p) for p in folder.iterdir() if p.is_dir()]
+    return dict(sorted((int(m.group(1)), p) for m, p in subs if m))
+
+
+def series_seeds(checkpoints: Sequence[str]) -> dict[int, str]:
+    """``{seed: series}`` for the ``--checkpoints`` given: one folder of ``seed{S}/``
+    series (no ``step{N}/`` of its own), or several series, each named by its seed
+    (``.../seed{S}`` or ``...-seed{S}``) or recording it (a `tangentlens train` folder).
+    A single series of another kind is ``{seed: it}`` with its trainer's seed, else 0."""
+    checkpoints = [str(c) for c in checkpoints]
+    if not checkpoints:
+        raise UsageError("--checkpoints names no series; pass a folder or hub id")
+    if len(checkpoints) == 1:
+        only = Path(checkpoints[0]).expanduser()
+        found = _seed_folders(only) if only.is_dir() else {}
+        if found and not any(only.glob("step*")):
+            return {seed: str(path) for seed, path in found.items()}
+        return {int(_train_record(checkpoints[0]).get("seed", 0)): checkpoints[0]}
+    out: dict[int, str] = {}
+    for source in checkpoints:
+        match = _SEED_NAME.search(source.rstrip("/\\"))
+        seed = int(match.group(1)) if match else _train_record(source).get("seed")
+        if not is_int(seed):
+            raise UsageError(
+                f"--checkpoints {source}: its seed is unknown; name each series by its seed "
+                "(a folder seed{S}, a hub id ending -seed{S}) or pass `tangentlens train` folders"
+            )
+        seed = int(seed)
+        if seed in out:
+            raise UsageError(
+                f"--checkpoints {out[seed]} and {source} are both seed {seed}; pass each "
+                "seed's series once"
+            )
+        out[seed] = source
+    return dict(sorted(out.items()))
+
+
+def run_studies(
+    configs: Mapping[int, StudyConfig],
+    out: Path,
+    *,
+    world_size: int = STUDY.world_size.default,
+    progress: bool = True,
+    log: Log = _quiet,
+) -> tuple[dict[str, dict[int, pd.DataFrame]], list[Claim]]:
+    """One study per seed's series (``{seed: config}``, one design) into
+    ``out/seed{S}/``, each with its report, then the claims over every seed's table
+    (`paper_claims`) into ``out/summary.json``; returns ``({kind: {seed: table}}, claims)``.
+    ``out`` is held for the whole run; each seed's study resumes on its own."""
+    if not configs:
+        raise UsageError("no series to study; pass --checkpoints")
+    out = Path(out).expanduser()
+    tables: dict[int, pd.DataFrame] = {}
+    kinds: dict[int, str] = {}
+    series = {str(seed): cfg.checkpoints for seed, cfg in configs.items()}
+    with lock_folder(out, "study per seed") as lock:  # its own name: no single study mixes in
+        lock.claim({"series": series}, ("seed*", SUMMARY_FILE), results=("seed*/results.csv",))
+        remove_stale_temporaries(out)
+        for n, (seed, cfg) in enumerate(configs.items()):
+            folder = out / SEED_DIR.format(seed)
+            log(f"[{n + 1}/{len(configs)}] seed {seed}: {cfg.checkpoints} → {folder}")
+            with lock_folder(folder, "study"):
+                study = Study(cfg)
+                tables[seed] = study.run(folder, world_size=world_size, progress=progress)
+                write_report(tables[seed], folder / "report.html", manifest=study.manifest)
+            masked = (study.manifest or {}).get("objective") == "masked-token"
+            kinds[seed] = "encoder" if masked else "decoder"
+        if len(set(kinds.values())) > 1:
+            raise UsageError(
+                f"the series mix decoders and encoders ({kinds}); study each design on its own"
+            )
+        kind = next(iter(kinds.values()))
+        claims = paper_claims({kind: tables})
+        summary = {"claims": [c.to_dict() for c in claims], "models": [kind],
+                   "seeds": list(tables), "series": series}  # fmt: skip
+        write_json(out / SUMMARY_FILE, summary)
+    return {kind: tables}, claims
+
+
 # ----------------------------------------------------------------------------- report
 def render_report(folder: str | Path, target: str | Path | None = None) -> Path:
     """Re-render ``report.html`` (or the HTML file ``target``) and ``figures/`` beside it
@@ -362,40 +511,90 @@ def render_report(folder: str | Path, target: str | Path | None = None) -> Path:
 # ----------------------------------------------------------------------------- demo
 @dataclass(frozen=True)
 class DemoOutcome:
-    """What `demo` produced: the decoder's table, the overview page, the verdicts."""
+    """What `demo` produced: the first seed's decoder table, the overview page, the
+    seconds it took, the verdicts, the seeds (of each model kind) and where each step's
+    time went."""
 
     table: pd.DataFrame
     report: Path
     seconds: float
     claims: list[Claim]
+    seeds: tuple[int, ...] = ()
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def demo_seeds(seeds: Sequence[int] | str | None, quick: bool) -> tuple[int, ...]:
+    """The demo's seeds: ``seeds`` (checked), else `QUICK_DEMO`'s with ``quick``, else
+    `DEMO`'s."""
+    if seeds is None:
+        seeds = QUICK_DEMO["seeds"] if quick else DEMO.seeds.default
+    return check_seeds(seeds, "--seeds")
 
 
 def demo(
-    out: Path, *, quick: bool = False, progress: bool = True, log: Log = _quiet
+    out: Path,
+    *,
+    quick: bool = False,
+    seeds: Sequence[int] | None = None,
+    progress: bool = True,
+    log: Log = _quiet,
 ) -> DemoOutcome:
-    """Train a decoder and an encoder, study both, probe their heads, write each a report,
-    then ``summary.json`` (the paper's claims with verdicts from intervals, per model and
-    gradient object) and ``report.html`` side by side: the whole folder is the demo's."""
+    """Train a decoder and an encoder once per seed (`demo_seeds`), study each series,
+    probe their heads, write each a report, then ``summary.json`` (the paper's claims
+    with verdicts from intervals over every seed's table, and the seeds) and
+    ``report.html`` side by side: the whole folder is the demo's.
+
+    ``OUT/{decoder,encoder}/seed{S}/`` holds each run: ``checkpoints/`` and its study.
+    The seeds of a kind share the tokenizer (trained once, copied) and the train/probe
+    split (`seed_config`), so every seed is studied on the same held-out probe set and
+    the corpus is encoded once per kind (`tangentlens.data.corpus.encoded`)."""
     start = time.perf_counter()
     out = Path(out).expanduser()
-    tables: dict[str, pd.DataFrame] = {}
+    seeds = demo_seeds(seeds, quick)
+    tables: dict[str, dict[int, pd.DataFrame]] = {kind: {} for kind in MODEL_KINDS}
+    timings = {"train_s": 0.0, "study_s": 0.0, "report_s": 0.0}
+    n_steps = len(MODEL_KINDS) * len(seeds) + 1
     with lock_folder(out, "demo") as lock:
-        lock.claim({"quick": bool(quick)}, DEMO_OUTPUTS, results=("*/results.csv",))
+        lock.claim(
+            {"quick": bool(quick), "seeds": list(seeds)},
+            DEMO_OUTPUTS,
+            results=("*/seed*/results.csv",),
+        )
         remove_stale_temporaries(out)
-        for i, (kind, objective) in enumerate(MODEL_KINDS.items()):
-            folder, step = out / kind, f"[{i + 1}/{len(MODEL_KINDS) + 1}]"
-            config = train_config(quick=quick, objective=objective)
-            log(f"{step} {kind}: training ({objective}, {config.max_steps} steps) → {folder}")
-            train(config, folder / CHECKPOINTS_DIR, progress=progress)
-            log(f"{step} {kind}: the study over its checkpoints (heads included)")
-            cfg = study_config(str(folder / CHECKPOINTS_DIR), quick=quick)
-            study = Study(cfg)
-            tables[kind] = study.run(folder, progress=progress)
-            title = f"tangentlens demo: {kind}"
-            write_report(tables[kind], folder / "report.html", manifest=study.manifest, title=title)
-        log(f"[{len(MODEL_KINDS) + 1}/{len(MODEL_KINDS) + 1}] verdicts and the report")
-        claims = paper_claims({kind: tables[kind] for kind in MODEL_KINDS})
-        records = [c.to_dict() for c in claims]
-        write_json(out / SUMMARY_FILE, {"claims": records, "models": list(MODEL_KINDS)})
-        page = write_overview({k: out / k for k in MODEL_KINDS}, claims, out / "report.html")
-    return DemoOutcome(tables["decoder"], page, time.perf_counter() - start, claims)
+        n = 0
+        for kind, objective in MODEL_KINDS.items():
+            design = train_config(quick=quick, objective=objective)
+            shared: Path | None = None
+            for seed in seeds:
+                n += 1
+                folder, step = out / kind / SEED_DIR.format(seed), f"[{n}/{n_steps}]"
+                config = seed_config(design, seed, seeds)
+                log(f"{step} {kind} seed {seed}: training ({objective}, {config.max_steps} "
+                    f"steps), its study and report → {folder}")  # fmt: skip
+                clock = time.perf_counter()
+                ckpt = train(config, folder / CHECKPOINTS_DIR, progress, tokenizer_from=shared)
+                shared = shared or ckpt / TOKENIZER_DIR
+                timings["train_s"] += time.perf_counter() - clock
+                clock = time.perf_counter()
+                cfg = study_config(str(ckpt), quick=quick, **({} if quick else DEMO_STUDY))
+                study = Study(cfg)
+                tables[kind][seed] = study.run(folder, progress=progress)
+                timings["study_s"] += time.perf_counter() - clock
+                clock = time.perf_counter()
+                title = f"tangentlens demo: {kind}, seed {seed}"
+                write_report(
+                    tables[kind][seed], folder / "report.html", manifest=study.manifest, title=title
+                )
+                timings["report_s"] += time.perf_counter() - clock
+        log(f"[{n_steps}/{n_steps}] verdicts over {len(seeds)} seed(s) per kind, and the report")
+        clock = time.perf_counter()
+        claims = paper_claims(tables)
+        summary = {"claims": [c.to_dict() for c in claims], "models": list(MODEL_KINDS),
+                   "seeds": list(seeds)}  # fmt: skip
+        write_json(out / SUMMARY_FILE, summary)
+        folders = {f"{k}/{SEED_DIR.format(s)}": out / k / SEED_DIR.format(s)
+                   for k in MODEL_KINDS for s in seeds}  # fmt: skip
+        page = write_overview(folders, claims, out / "report.html")
+        timings["verdicts_s"] = time.perf_counter() - clock
+    first = tables["decoder"][seeds[0]]
+    return DemoOutcome(first, page, time.perf_counter() - start, claims, seeds, timings)

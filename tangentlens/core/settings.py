@@ -13,12 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .validation import BACKENDS, CONTROLS
+from .validation import BACKENDS, CONTROLS, OBJECTIVES
 
 __all__ = [
+    "DEMO",
+    "DEMO_STUDY",
     "HEAD_NULL",
     "N_CONTROLS",
     "PROBE",
+    "QUICK_DEMO",
     "QUICK_STUDY",
     "QUICK_TRAIN",
     "STUDY",
@@ -47,7 +50,10 @@ class Setting:
 
 
 def shown(value: Any) -> str:
-    """A default value as help shows it: ``16``, ``0.3``, ``uniform``."""
+    """A default value as help shows it: ``16``, ``0.3``, ``uniform``; a list of values
+    as the option takes it: ``0,1,2``."""
+    if isinstance(value, tuple | list):
+        return ",".join(shown(v) for v in value)
     return str(value)
 
 
@@ -59,6 +65,8 @@ RANK = Setting(16, "rank of Q_T")
 N_CONTROLS = Setting(1000, "random frames per test")
 SEED = Setting(0, "random seed")
 WORLD_SIZE = Setting(1, "data-parallel processes")
+SEEDS = Setting(None, "training seeds, comma-separated", shown="one series")
+N_SEEDS = Setting(None, "seeds 0 to N-1, in place of --seeds", shown="none")
 # Options of the probes (their classes' keyword defaults) that the study shares.
 ZETA = Setting(0.1, "IsoScore* shrinkage toward the pooled reference (the paper's ζ)")
 HEAD_NULL = Setting(4, "random frames behind each head's null (0: none)")
@@ -88,6 +96,13 @@ class TrainSettings:
     encoding: Setting = ENCODING
     max_steps: Setting = Setting(256, "training steps")
     seed: Setting = SEED
+    objective: Setting = Setting(
+        OBJECTIVES[0], "causal: a decoder, next-token loss; masked: an encoder, masked-token loss"
+    )
+    seeds: Setting = Setting(
+        SEEDS.default, "train one series per seed into OUT/seed{S}/, e.g. 0,1,2", SEEDS.shown
+    )
+    n_seeds: Setting = N_SEEDS
 
 
 @dataclass(frozen=True)
@@ -114,9 +129,22 @@ class StudySettings:
     world_size: Setting = WORLD_SIZE
 
 
+@dataclass(frozen=True)
+class DemoSettings:
+    """`tangentlens demo`: the keyword parameters of `workflows.demo`."""
+
+    seeds: Setting = Setting(
+        (0, 1, 2),
+        "training seeds per model kind, each its own run: verdicts that hold across seeds "
+        "are about the design, not one initialisation",
+    )
+    n_seeds: Setting = N_SEEDS
+
+
 PROBE = ProbeSettings()
 TRAIN = TrainSettings()
 STUDY = StudySettings()
+DEMO = DemoSettings()
 
 QUICK_TRAIN = {"max_steps": 8}
 """`--quick` training: five checkpoints (0, 1, 2, 4, 8) of `TrainConfig.tiny`: seconds."""
@@ -129,3 +157,13 @@ QUICK_STUDY = {
     "reservoir": 256,
 }
 """`--quick` study: `StudyConfig` fields set before the options given."""
+
+QUICK_DEMO = {"seeds": (0, 1)}
+"""`--quick` demo: two seeds, so the quick run has every part of the full one."""
+
+DEMO_STUDY = {"n_sequences": 128, "early": (0, 8)}
+"""The demo's study of each series (`QUICK_STUDY` in its place with ``--quick``). The demo studies
+three seeds of two designs in minutes, so each study takes half the probe sequences of
+`tangentlens study` (the jackknife keeps its groups). The early window is the log-spaced
+steps 0 to 8: a window of the first steps by fraction would reach well into the loss drop
+of so short a run, where gradients are no longer those of early training."""

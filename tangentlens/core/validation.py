@@ -17,6 +17,7 @@ __all__ = [
     "BACKENDS",
     "CONTROLS",
     "MAXIMA",
+    "OBJECTIVES",
     "check_backend",
     "check_controls",
     "check_encoding",
@@ -24,6 +25,7 @@ __all__ = [
     "check_layers",
     "check_limits",
     "check_rank",
+    "check_seeds",
     "check_seq_len",
     "check_window_fraction",
     "is_int",
@@ -36,6 +38,10 @@ BACKENDS = ("transformer_lens", "nnsight")
 CONTROLS = ("uniform", "normal")
 """Kinds of random matched-rank frames: ``uniform`` over the whole space (exact test),
 ``normal`` in the complement of Q_T (the paper's design)."""
+
+OBJECTIVES = ("causal", "masked")
+"""What the trainer optimises: ``causal`` (a decoder, next-token loss) or ``masked`` (an
+encoder, masked-token loss)."""
 
 
 def is_int(value: Any) -> bool:
@@ -99,6 +105,29 @@ def check_layers(layers: Any, n_layers: int, name: str = "layers") -> list[int]:
             f"bools); pass {name}=None for all."
         )
     return sorted({int(layer) for layer in chosen})
+
+
+def check_seeds(seeds: Any, name: str = "seeds") -> tuple[int, ...]:
+    """Training seeds, each a separate run (the unit of replication): a non-empty list of
+    distinct ints >= 0, or the same as comma-separated text (``"0,1,2"``, what ``--seeds``
+    takes). A repeated seed would train and count one run twice, so it is refused."""
+    fix = f"pass distinct integers >= 0 separated by commas, e.g. {name} 0,1,2"
+    items = seeds.split(",") if isinstance(seeds, str) else seeds
+    if isinstance(items, bytes) or not hasattr(items, "__iter__"):
+        raise UsageError(f"{name} takes a list of seeds; got {seeds!r}: {fix}.")
+    out: list[int] = []
+    for item in items:
+        text = item.strip() if isinstance(item, str) else item
+        if isinstance(text, str) and text.lstrip("+").isdigit():
+            text = int(text)
+        if not is_int(text) or text < 0:
+            raise UsageError(f"{name} {seeds!r}: {item!r} is no seed; {fix}.")
+        if int(text) in out:
+            raise UsageError(f"{name} {seeds!r} repeats seed {int(text)}; {fix}.")
+        out.append(int(text))
+    if not out:
+        raise UsageError(f"{name} is empty; {fix}.")
+    return tuple(out)
 
 
 def check_seq_len(seq_len: Any, name: str = "seq_len") -> int:

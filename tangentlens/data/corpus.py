@@ -10,6 +10,7 @@ another encoding or a binary file is refused, never read with replacement charac
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -27,6 +28,7 @@ from ..core.validation import check_seq_len
 __all__ = [
     "TokenBatches",
     "encode",
+    "encoded",
     "kjv_path",
     "load_lines",
     "load_text",
@@ -131,6 +133,33 @@ def encode(tokenizer: Any, lines: list[str]) -> Tensor:
     else:
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return torch.tensor([i for seq in ids for i in seq], dtype=torch.long)
+
+
+_ENCODED: dict[tuple[str, str], Tensor] = {}
+_ENCODED_KEEP = 2  # corpora kept: a demo's decoder and encoder tokenizers
+
+
+def encoded(tokenizer: Any, lines: list[str]) -> Tensor:
+    """`encode`, remembered in this process for the last few (tokenizer, text) pairs.
+
+    The seeds of one design train and study with one tokenizer on one corpus, and encoding
+    a corpus of a million tokens takes seconds each time; the key is the tokenizer's full
+    serialisation and the text itself, so a changed file or tokenizer is encoded again.
+    Returns a copy: callers may change it."""
+    raw = getattr(
+        tokenizer, "backend_tokenizer", tokenizer if _is_raw_tokenizer(tokenizer) else None
+    )
+    if raw is None:  # a slow (Python) tokenizer: no serialisation to key on
+        return encode(tokenizer, lines)
+    key = (
+        hashlib.sha256(raw.to_str().encode()).hexdigest(),
+        hashlib.sha256("\n".join(lines).encode()).hexdigest(),
+    )
+    if key not in _ENCODED:
+        while len(_ENCODED) >= _ENCODED_KEEP:
+            _ENCODED.pop(next(iter(_ENCODED)))
+        _ENCODED[key] = encode(tokenizer, lines)
+    return _ENCODED[key].clone()
 
 
 def token_counts(

@@ -11,6 +11,13 @@ rename. The run is a pure function of the config: killed at any point and
 started again, it resumes from the last finished checkpoint (weights, AdamW
 state and RNG state, stored as safetensors + JSON) and ends with the same
 weights as an uninterrupted run.
+
+Seeds are the unit of replication: runs that differ only in ``seed`` differ in their
+initialisation, batch order and masks, and share the train/probe split when they set one
+``split_seed``, so a single probe set is held out from every one of them. The tokenizer
+depends on the corpus and the config's vocabulary alone, never on a seed, so such runs may
+take a finished run's tokenizer (``train(..., tokenizer_from=...)``) instead of training
+the same one again.
 """
 
 from __future__ import annotations
@@ -43,11 +50,17 @@ from ..core.files import (
     write_json,
 )
 from ..core.settings import TRAIN
-from ..core.validation import check_encoding, check_limits, check_seq_len, is_int
+from ..core.validation import (
+    OBJECTIVES,
+    check_encoding,
+    check_limits,
+    check_seq_len,
+    is_int,
+)
 from ..models.batches import draw_masked
 from ..version import __version__
 from .checkpoints import METADATA_FILE, quiet_transformers
-from .corpus import encode, load_lines, token_batches
+from .corpus import encoded, load_lines, token_batches
 
 __all__ = ["TrainConfig", "checkpoint_steps", "train"]
 
@@ -57,7 +70,6 @@ TOKENIZER_DIR = "tokenizer"
 SPECIAL_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"  # the masked objective's extra special token
 MASK_RATE = 0.15  # the fraction of positions the masked objective masks, as BERT's
-OBJECTIVES = ("causal", "masked")
 _TMP_PREFIX = ".tmp-"
 
 
@@ -92,8 +104,10 @@ class TrainConfig:
     seq_len: int = 64
     batch_size: int = 8
     max_steps: int = TRAIN.max_steps.default
-    last_log_step: int = 128
-    checkpoint_every: int = 32
+    # checkpoints 0, 1, 2, 4, ..., 64, 128, 192, 256: five in the log-spaced steps before
+    # the fast loss drop (the demo's early window), few later, where a study pays per file
+    last_log_step: int = 64
+    checkpoint_every: int = 64
     lr: float = 3e-3
     warmup_steps: int = 32
     min_lr_ratio: float = 0.1
@@ -104,9 +118,10 @@ class TrainConfig:
     probe_fraction: float = 0.05
     eval_blocks: int = 32
     seed: int = TRAIN.seed.default
+    split_seed: int | None = None  # seed of the train/probe split (None: ``seed``); see below
     num_threads: int = 1  # torch threads while training; results are exact for a fixed value
     tie_embeddings: bool = True  # as SmolLM2 and Gemma-3, the models it is compared with
-    objective: str = "causal"  # "causal": Llama decoder; "masked": BERT encoder (no n_kv_heads)
+    objective: str = TRAIN.objective.default  # "causal": Llama decoder; "masked": BERT encoder
 
     def __post_init__(self) -> None:
         self.betas = (float(self.betas[0]), float(self.betas[1]))
@@ -136,6 +151,14 @@ class TrainConfig:
             if not is_int(value) or value < 0:
                 raise UsageError(f"TrainConfig.{name} must be an int >= 0; got {value!r}.")
             setattr(self, name, int(value))
+        if self.split_seed is not None:
+            if not is_int(self.split_seed) or self.split_seed < 0:
+                raise UsageError(
+                    f"TrainConfig.split_seed must be None or an int >= 0; got {self.split_seed!r}."
+                )
+            # one form per run: a split seed equal to the seed is the default split, so a
+            # seed of a multi-seed run and the same seed trained alone are one config
+            self.split_seed = None if self.split_seed == self.seed else int(self.split_seed)
         if self.max_chars is not None and (not is_int(self.max_chars) or self.max_chars < 1):
             raise UsageError(
                 f"TrainConfig.max_chars must be None or a positive int; got {self.max_chars!r}."
@@ -210,6 +233,12 @@ class TrainConfig:
     def special_tokens(self) -> list[str]:
         """The tokenizer's special tokens: a masked LM needs a mask token besides."""
         return [SPECIAL_TOKEN, MASK_TOKEN] if self.objective == "masked" else [SPECIAL_TOKEN]
+
+    @property
+    def split(self) -> int:
+        """The seed of the train/probe split: ``split_seed``, else ``seed``. Seeds of one
+        design set one ``split_seed`` so that the probe set is held out from all of them."""
+        return self.seed if self.split_seed is None else self.split_seed
 
     @property
     def steps(self) -> list[int]:
@@ -362,10 +391,19 @@ def _prepare_out_dir(config: TrainConfig, out: Path, lock: FolderLock) -> None:
 
 
 # --------------------------------------------------------------------------- train
-def train(config: TrainConfig, out_dir: str | Path, progress: bool = True) -> Path:
+def train(
+    config: TrainConfig,
+    out_dir: str | Path,
+    progress: bool = True,
+    *,
+    tokenizer_from: str | Path | None = None,
+) -> Path:
     """Train (or resume) a run; returns ``out_dir``, which holds ``step{N}`` checkpoints.
 
-    The caller's torch RNG state and thread count are restored afterwards.
+    ``tokenizer_from``: the ``tokenizer`` folder of a run of this config but for its seed,
+    copied instead of training the tokenizer again (it is no function of the seed: same
+    corpus, same tokenizer); a run that has its tokenizer already keeps it. The caller's
+    torch RNG state and thread count are restored afterwards.
     """
     out = Path(out_dir)
     with lock_folder(out, "train") as lock:
@@ -376,28 +414,38 @@ def train(config: TrainConfig, out_dir: str | Path, progress: bool = True) -> Pa
         torch.set_num_threads(config.num_threads)
         try:
             with torch.random.fork_rng(devices=[]):
-                _run(config, out, progress)
+                _run(config, out, progress, tokenizer_from)
         finally:
             torch.set_num_threads(threads)
     return out
 
 
-def _run(config: TrainConfig, out: Path, progress: bool) -> None:
+def _run(config: TrainConfig, out: Path, progress: bool, tokenizer_from: str | Path | None) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
     lines = load_lines(config.corpus, config.max_chars, config.encoding)
     tok_dir = out / TOKENIZER_DIR
     if not tok_dir.is_dir():
-        _atomic_dir(tok_dir, _train_tokenizer(lines, config).save_pretrained)
+        if tokenizer_from is None:
+            _atomic_dir(tok_dir, _train_tokenizer(lines, config).save_pretrained)
+        else:
+            source = Path(tokenizer_from)
+            if not (source / "tokenizer.json").is_file():
+                raise UsageError(
+                    f"{source} holds no tokenizer.json; pass the tokenizer folder of a "
+                    "finished run of this config (another seed), or None to train one."
+                )
+            _atomic_dir(tok_dir, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     data = token_batches(
         tokenizer,
-        ids=encode(tokenizer, lines),
+        ids=encoded(tokenizer, lines),
         seq_len=config.seq_len,
         probe_fraction=config.probe_fraction,
-        seed=config.seed,
+        seed=config.split,
     )
+    data = dataclasses.replace(data, seed=config.seed)  # the batch order is the run's own
     mask_id = tokenizer.mask_token_id
     eval_inputs = _inputs(config, data.probe[: config.eval_blocks], mask_id, "eval")
 

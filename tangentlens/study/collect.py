@@ -95,7 +95,7 @@ def probe_set(cfg: StudyConfig, series: Any, out: Path) -> tuple[Tensor, Tensor]
             return found
         path.unlink()
     tokenizer = series.load_tokenizer(0)  # its weights are not needed to cut the blocks
-    ids = corpus.encode(tokenizer, corpus.load_lines(cfg.corpus, cfg.max_chars, cfg.encoding))
+    ids = corpus.encoded(tokenizer, corpus.load_lines(cfg.corpus, cfg.max_chars, cfg.encoding))
     data = corpus.token_batches(
         tokenizer,
         ids=ids,

@@ -148,6 +148,7 @@ class Study:
         manifest = {
             **info,
             "command": "study",
+            "objective": parts[series.steps[0]].meta.get("objective"),  # the loss it measured
             "config": cfg.to_dict(),
             "world_size": world_size,
             "probe_set": {
