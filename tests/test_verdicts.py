@@ -4,7 +4,9 @@ gradient, every embedding centre, and the JSON record."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -265,3 +267,27 @@ def test_pages_show_each_seed_and_the_panel(tmp_path) -> None:
     assert '<td class="window-dependent">' in page
     text = report.format_summary([report.SummaryRow.of(c) for c in found])
     assert "      per seed: seed 0" in text and "      windows: steps" in text
+
+
+def test_results_doc_shows_each_claim_with_its_seeds_and_version(tmp_path) -> None:
+    """docs/RESULTS.md's generator: every claim's verdict, its per-seed values and what its
+    interval covers, dated and tied to the version; the committed page names the command
+    that made it."""
+    from tangentlens.report import results_doc
+    from tangentlens.version import __version__
+
+    tables = {s: _seed_table(v, -1.0) for s, v in enumerate((3.0, 2.0, 4.5))}
+    claims = report.paper_claims({"decoder": tables})
+    summary = {"claims": [c.to_dict() for c in claims], "models": ["decoder"], "seeds": [0, 1, 2]}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    page = results_doc.results_markdown(summary, made="2026-12-02", source="runs/demo")
+    rows = [line for line in page.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == len(claims) + 1  # the header, then one row per claim
+    for claim, row in zip(claims, rows[1:], strict=True):
+        assert claim.verdict in row and claim.interval_covers in row
+        assert "seed 0" in row or not claim.describe_seeds()
+    assert f"tangentlens {__version__}" in page and "2026-12-02" in page
+    assert results_doc.main([str(tmp_path)]) == 0
+    committed = Path(__file__).resolve().parents[1] / "docs" / "RESULTS.md"
+    first = committed.read_text(encoding="utf-8").splitlines()[0]
+    assert results_doc.COMMAND in first
