@@ -20,7 +20,7 @@ import errno
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -105,15 +105,28 @@ def _chosen_seeds(args: argparse.Namespace) -> tuple[int, ...] | None:
     return args.seeds
 
 
-def _seq_len(text: str) -> int:
-    try:
-        value: object = int(text)
-    except ValueError:
-        value = text  # no int at all: the rule refuses it too, with its own message
-    try:
-        return check_seq_len(value, "--seq-len")
-    except UsageError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _checked(
+    convert: Callable[[str], Any], rule: Callable[[Any, str], Any], flag: str
+) -> Callable[[str], Any]:
+    """An argparse type that converts the text and applies the package's own ``rule`` (so
+    the CLI and the API refuse a value with one message); text that does not convert is
+    handed to the rule as it is, which refuses it too."""
+
+    def parse(text: str) -> Any:
+        try:
+            value: object = convert(text)
+        except ValueError:
+            value = text
+        try:
+            return rule(value, flag)
+        except UsageError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
+
+
+_seq_len = _checked(int, check_seq_len, "--seq-len")
+_fraction = _checked(float, check_window_fraction, "--window-fraction")
 
 
 def _layer(text: str) -> int:
@@ -124,17 +137,6 @@ def _layer(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"a layer is an integer >= 0, got {text!r}")
     return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value: object = float(text)
-    except ValueError:
-        value = text  # no number at all: the rule refuses it too, with its own message
-    try:
-        return check_window_fraction(value, "--window-fraction")
-    except UsageError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _step_range(text: str) -> tuple[int, int]:

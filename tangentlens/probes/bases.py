@@ -134,11 +134,10 @@ def as_bases(bases: Mapping[str | Site, TangentBasis] | None) -> dict[Site, Tang
     return BasisSet(bases).by_site()
 
 
-def warn_basis_sites(used: Mapping[Site, TangentBasis], *, stacklevel: int = 3) -> None:
-    """One `BasisSiteWarning` naming every site whose basis says (``provenance["site"]``,
-    as `fit_bases` records it) that it was fitted at another site; bases without a
-    recorded site are trusted."""
-    wrong = []
+def _misplaced(used: Mapping[Site, TangentBasis]) -> list[tuple[Site, Site]]:
+    """(site, the site its basis records it was fitted at) wherever the two differ; bases
+    without a readable recorded site are trusted."""
+    out = []
     for site, basis in used.items():
         fitted = basis.provenance.get("site")
         try:
@@ -146,7 +145,15 @@ def warn_basis_sites(used: Mapping[Site, TangentBasis], *, stacklevel: int = 3) 
         except (UsageError, TypeError):
             fitted_site = None
         if fitted_site is not None and fitted_site != site.without_head():
-            wrong.append(f"{site.without_head()} (fitted at {fitted_site})")
+            out.append((site.without_head(), fitted_site))
+    return out
+
+
+def warn_basis_sites(used: Mapping[Site, TangentBasis], *, stacklevel: int = 3) -> None:
+    """One `BasisSiteWarning` naming every site whose basis says (``provenance["site"]``,
+    as `fit_bases` records it) that it was fitted at another site; bases without a
+    recorded site are trusted."""
+    wrong = [f"{site} (fitted at {fitted})" for site, fitted in _misplaced(used)]
     if wrong:
         warnings.warn(
             BasisSiteWarning(
@@ -208,15 +215,9 @@ def check_basis_sites(used: Mapping[Site, TangentBasis], argument: str = "bases"
     """A `UsageError` naming each site whose basis records (``provenance["site"]``) that it
     was fitted at another site: removing a part of an activation in the coordinates of
     another site's subspace measures nothing about this one."""
-    wrong = []
-    for site, basis in used.items():
-        fitted = basis.provenance.get("site")
-        try:
-            fitted_site = None if fitted is None else Site.parse(fitted).without_head()
-        except (UsageError, TypeError):
-            fitted_site = None
-        if fitted_site is not None and fitted_site != site.without_head():
-            wrong.append(f"{site.without_head().hook_name} (fitted at {fitted_site.hook_name})")
+    wrong = [
+        f"{site.hook_name} (fitted at {fitted.hook_name})" for site, fitted in _misplaced(used)
+    ]
     if wrong:
         raise UsageError(
             f"{argument} holds bases fitted at other sites: {'; '.join(wrong)}; pass the "
