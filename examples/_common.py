@@ -29,8 +29,9 @@ def model_name(fast: bool) -> str:
     return str(max(out.glob("step*"), key=lambda p: int(p.name[4:])))
 
 
-def token_batches(tokenizer, n_batches: int = 4, batch: int = 4, seq_len: int = 64) -> list:
-    """Fixed-length token batches from the embedded King James Bible."""
+def token_batches(tokenizer, n_batches: int = 4, batch: int = 4, seq_len: int = 32) -> list:
+    """Fixed-length token batches from the embedded King James Bible (32 tokens: the
+    context of the tiny model `--fast` trains)."""
     from tangentlens.data.corpus import token_batches as make
 
     blocks = make(tokenizer, seq_len=seq_len, max_chars=200_000, seed=0).probe_batches(batch)

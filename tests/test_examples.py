@@ -26,7 +26,8 @@ def test_tl_run_with_hooks():
 
 def test_nnsight_probe():
     out = _run("nnsight_probe.py", "--fast")
-    assert "blocks.1.hook_resid_post: 256 tokens" in out and "tangent_share" in out
+    # one batch of 4 sequences × 32 tokens (the tiny model's context)
+    assert "blocks.1.hook_resid_post: 128 tokens" in out and "tangent_share" in out
 
 
 @pytest.fixture(scope="module")
