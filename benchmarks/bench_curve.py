@@ -123,7 +123,8 @@ def main() -> None:
             times.setdefault("fwd", []).append(t_fwd)
             times.setdefault("fit", []).append(t_fit)
             print(
-                f"repeat {r} B={b}: bare {t_bare:.1f} s, pass {times['pass/all'][-1]:.1f} s, "
+                f"repeat {r} B={b}: bare {times['bare/all'][-1]:.1f} s, "
+                f"pass {times['pass/all'][-1]:.1f} s, "
                 f"results {times['results'][-1]:.1f} s, state {nbytes / 2**20:.0f} MiB; "
                 f"fwd {t_fwd:.1f} s, fit_bases {t_fit:.1f} s; load {os.getloadavg()[0]:.1f}",
                 flush=True,
