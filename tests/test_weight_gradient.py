@@ -20,6 +20,7 @@ from tangentlens.core.subspace import TangentBasis, tangent_share
 from tangentlens.hooks import INPUT_KINDS, Site, get_backend
 from tangentlens.hooks.families import unwrap
 from tangentlens.probes import WeightGradientProbe, fit_bases, lm_loss, probe, run
+from tangentlens.probes.weight_gradient import group_energies, matrix_intervals
 
 nnsight = pytest.importorskip("nnsight")
 
@@ -280,7 +281,7 @@ def test_merge_of_two_half_runs_equals_one_run() -> None:
     for site, total in whole.matrices().items():
         torch.testing.assert_close(merged.matrices()[site], total, rtol=1e-12, atol=0)
     read = {site: bases[site] for site in whole.bases}
-    with pytest.raises(ValueError, match="does not hold"):  # another number of groups
+    with pytest.raises(ValueError, match="saved sum has shape"):  # another number of groups
         WeightGradientProbe(read, get_backend(model)).load_state_dict(merged.state_dict())
     loaded = WeightGradientProbe(read, get_backend(model), n_controls=50, n_groups=10)
     loaded.load_state_dict(merged.state_dict())
@@ -288,9 +289,11 @@ def test_merge_of_two_half_runs_equals_one_run() -> None:
     assert rows == loaded_rows and len(rows) == 4 * 7
 
 
-def test_sites_without_bases_collect_the_same_state_and_have_no_rows() -> None:
+def test_sites_without_bases_collect_the_same_statistics_and_have_no_rows() -> None:
     """S is basis-free: a probe given only the sites (a study fits Q_T afterwards) keeps
-    exactly the state of one given bases, and has nothing to test it against."""
+    each group's S_g whole; one given bases keeps the total S and each group's two
+    energies tr(Q_TᵀS_gQ_T), tr(S_g). Both hold the same S, energies and intervals; the
+    free one has nothing to test S against."""
     arch = "gpt2"
     model, batches = tl_bridge(arch), _batches(arch)
     bases = _input_bases(model, batches)
@@ -299,9 +302,26 @@ def test_sites_without_bases_collect_the_same_state_and_have_no_rows() -> None:
     run(model, batches, None, [free], progress=False)
     assert free.bases == {} and free.rows() == []
     ours, theirs = free.state_dict(), based.state_dict()
-    assert ours.keys() == theirs.keys()
-    for key, value in theirs.items():
-        assert torch.equal(ours[key], value), key
+    for key, value in theirs.items():  # activations and passes: the same state
+        if not key.startswith("wgrad"):
+            assert torch.equal(ours[key], value), key
+    rows = {(r["hook"], r["statistic"]): r for r in based.rows()}
+    for site, total in free.matrices().items():
+        torch.testing.assert_close(based.matrices()[site], total, rtol=1e-12, atol=0)
+        groups = free.group_matrices(site)
+        torch.testing.assert_close(
+            based.group_energies(site), group_energies(groups, bases[site]), rtol=1e-12, atol=0
+        )
+        cis = matrix_intervals(groups, bases[site])
+        for statistic, (low, high) in cis.items():
+            r = rows[(site.hook_name, statistic)]
+            assert r["ci_low"] == pytest.approx(low, rel=1e-12)
+            assert r["ci_high"] == pytest.approx(high, rel=1e-12)
+    with pytest.raises(UsageError, match="group_energies"):
+        based.group_matrices(next(iter(based.bases)))
+    n = sum(t.numel() for k, t in theirs.items() if k.startswith("wgrad"))
+    d = next(iter(bases.values())).d
+    assert n == len(based.sites) * (d * d + 2 * based.n_groups)  # S, and two energies a group
 
 
 # ------------------------------------------------------------------ sites and errors

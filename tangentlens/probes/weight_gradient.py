@@ -16,11 +16,19 @@ maps at ``mlp_in``. S is tested like a gradient second moment (`significance.mat
   of X, E[G Gᵀ] ∝ XᵀX and the ratio would be 1;
 - ``n_passes``: backward passes folded in.
 
-Intervals: with ``n_groups`` ≥ 2, S is kept per group of sequences (forward pass i joins
-group i mod G, or the session's ``group_of``) and ``tangent_share`` / ``energy_ratio``
-get 95 % delete-a-group jackknife intervals (`tangentlens.core.uncertainty`). Memory per site:
-(G + 1)·8d² + 8d bytes (the activation `Moments` and G sums), or half that with
-``memory="compact"`` (float32 state).
+Intervals: with ``n_groups`` ≥ 2, each group of sequences (forward pass i joins group
+i mod G, or the session's ``group_of``) keeps what the jackknife reads, and
+``tangent_share`` / ``energy_ratio`` get 95 % delete-a-group jackknife intervals
+(`tangentlens.core.uncertainty`). A leave-one-group-out share is
+tr(Q_Tᵀ(S − S_g)Q_T)/tr(S − S_g), so with a basis each group keeps just its two energies
+tr(Q_TᵀS_gQ_T) and tr(S_g) (`energy_intervals`) beside the one total S: memory per site
+2·8d² + 8d bytes (the activation `Moments` and S), or half that with ``memory="compact"``
+(float32 state). Without a basis (sites only: Q_T is fitted afterwards, for any rank)
+S_g is kept whole per group, (G + 1)·8d² + 8d bytes, and `group_matrices` returns it.
+
+Products (`weight_gram`): G is formed as `input_gradient` forms it; G Gᵀ in the same
+`stats.gram_dtype` (G scaled by an exact power of two, so float32 neither overflows nor
+underflows), added into float64 state.
 
 X and Δ come from hooks on the maps themselves (`Backend.input_linears`): a forward hook
 keeps the detached input and hooks the output tensor; when Δ arrives, G is folded in and
@@ -50,7 +58,13 @@ from ..hooks.sites import INPUT_KINDS, Site
 from .base import Observation, Probe, Sum, ci_columns, row, sites_bar
 from .registry import Plan, ProbeSpec, register
 
-__all__ = ["WeightGradientProbe", "input_gradient", "matrix_intervals"]
+__all__ = [
+    "WeightGradientProbe",
+    "energy_intervals",
+    "input_gradient",
+    "matrix_intervals",
+    "weight_gram",
+]
 
 
 class WeightGradientProbe(Probe):
@@ -89,11 +103,16 @@ class WeightGradientProbe(Probe):
         self.seed = check_int(seed, "seed", minimum=0)
         self.n_groups = check_int(n_groups, "n_groups", minimum=1)
         self._masks: dict[Site, tuple[Tensor | None, int]] = {}
+        self._q: dict[tuple[Site, torch.device], Tensor] = {}
         for site in self.sites:
             d = self.bases[site].d if site in self.bases else backend.d_model
             self.add_state(f"act/{site.hook_name}", lambda: Moments(dtype=dtype))
-            for g in range(self.n_groups):
-                self.add_state(f"wgrad/{g}/{site.hook_name}", lambda d=d: Sum((d, d), dtype))
+            if site in self.bases:  # the total S, and per group tr(Q_TᵀS_gQ_T), tr(S_g)
+                self.add_state(f"wgrad/{site.hook_name}", lambda d=d: Sum((d, d), dtype))
+                self.add_state(f"wgrad_energy/{site.hook_name}", lambda: Sum((self.n_groups, 2)))
+            else:
+                for g in range(self.n_groups):
+                    self.add_state(f"wgrad/{g}/{site.hook_name}", lambda d=d: Sum((d, d), dtype))
             self.add_state(f"passes/{site.hook_name}", Sum)
 
     @property
@@ -146,18 +165,31 @@ class WeightGradientProbe(Probe):
         group: int,
         counts_pass: bool,
     ) -> None:
-        """S += G Gᵀ with G = XᵀΔ over the kept positions (`input_gradient`), G Gᵀ in
-        float64, into float64 (or ``memory="compact"``: float32) state."""
+        """S += G Gᵀ with G = XᵀΔ over the kept positions (`weight_gram`), into float64
+        (or ``memory="compact"``: float32) state; with a basis, the group's two energies
+        tr(Q_TᵀG GᵀQ_T) and tr(G Gᵀ) into its row."""
         with torch.no_grad():
             x = x.reshape(-1, x.shape[-1])
             delta = delta.detach().reshape(-1, delta.shape[-1]).to(x.device)
             if mask is not None:
                 keep = mask.reshape(-1).to(x.device)
                 x, delta = x[keep], delta[keep]
-            g = input_gradient(x, delta)
-            self.state(f"wgrad/{group % self.n_groups}/{site.hook_name}").add(g @ g.T)
+            s = weight_gram(x, delta)
+            name = site.hook_name
+            if site in self.bases:
+                self.state(f"wgrad/{name}").add(s)
+                key = (site, s.device)
+                if key not in self._q:
+                    self._q[key] = self.bases[site].basis_.to(s.device, torch.float64)
+                q = self._q[key]
+                energies = torch.zeros(self.n_groups, 2, dtype=torch.float64, device=s.device)
+                energies[group % self.n_groups, 0] = ((s @ q) * q).sum()
+                energies[group % self.n_groups, 1] = s.diagonal().sum()
+                self.state(f"wgrad_energy/{name}").add(energies)
+            else:
+                self.state(f"wgrad/{group % self.n_groups}/{name}").add(s)
             if counts_pass:
-                self.state(f"passes/{site.hook_name}").add(torch.ones((), device=g.device))
+                self.state(f"passes/{name}").add(torch.ones((), device=s.device))
 
     def saw_backward(self) -> bool:
         return any(float(self.state(f"passes/{s.hook_name}").value) > 0 for s in self.sites)
@@ -167,15 +199,31 @@ class WeightGradientProbe(Probe):
         self.state(f"act/{obs.site.hook_name}").add_batch(*obs.statistics())
 
     def group_matrices(self, site: Site) -> list[Tensor]:
-        """S of each group of sequences at ``site``."""
+        """S of each group of sequences at ``site``: kept at sites without a basis only
+        (a site with one keeps per group the two energies `group_energies` reads)."""
+        if site in self.bases:
+            raise UsageError(
+                f"{site} has a basis, so its groups keep tr(Q_TᵀS_gQ_T) and tr(S_g) only "
+                "(group_energies); pass the sites without bases to keep S_g whole."
+            )
         return [
             self.state(f"wgrad/{g}/{site.hook_name}").value.to(torch.float64)
             for g in range(self.n_groups)
         ]
 
+    def group_energies(self, site: Site) -> Tensor:
+        """``(n_groups, 2)`` float64: tr(Q_TᵀS_gQ_T) and tr(S_g) of each group at ``site``
+        (a site with a basis)."""
+        return self.state(f"wgrad_energy/{site.hook_name}").value.to(torch.float64)
+
     def matrices(self) -> dict[Site, Tensor]:
         """Site → S = Σ G Gᵀ (d × d, float64), summed over passes, maps and groups."""
-        return {s: sum(self.group_matrices(s)) for s in self.sites}
+        return {
+            s: self.state(f"wgrad/{s.hook_name}").value.to(torch.float64)
+            if s in self.bases
+            else sum(self.group_matrices(s))
+            for s in self.sites
+        }
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
@@ -193,7 +241,8 @@ class WeightGradientProbe(Probe):
                 activation_moments=acts if acts.count else None,
             )
             values["n_passes"] = passes
-            cis = matrix_intervals(self.group_matrices(site), self.bases[site])
+            basis = self.bases[site]
+            cis = energy_intervals(self.group_energies(site), tangent_share(s, basis), basis)
             out += [row(self.name, site, k, v, **ci_columns(cis.get(k))) for k, v in values.items()]
         return out
 
@@ -212,15 +261,39 @@ def input_gradient(x: Tensor, delta: Tensor) -> Tensor:
     return g + torch.outer(centre.to(torch.float64), delta.sum(0, dtype=torch.float64))
 
 
-def matrix_intervals(groups: list[Tensor], basis: TangentBasis) -> dict[str, tuple[float, float]]:
-    """Jackknife intervals of ``tangent_share`` and ``energy_ratio`` of S = Σ_g S_g over the
-    groups that saw data (none with fewer than two)."""
-    seen = [m for m in groups if float(torch.trace(m)) > 0]
+def weight_gram(x: Tensor, delta: Tensor) -> Tensor:
+    """G Gᵀ (d_in × d_in, float64) of one map's weight gradient G = XᵀΔ (`input_gradient`),
+    the product formed in `stats.gram_dtype` of ``x``: in float32, G is scaled by an exact
+    power of two (`stats.unit_scale`) and rounded once, the product read back in float64."""
+    g = input_gradient(x, delta)
+    if gram_dtype(x) == torch.float64:
+        return g @ g.T
+    scale = unit_scale(g)
+    g32 = (g * scale).to(torch.float32)
+    return (g32 @ g32.T).to(torch.float64) / scale.to(torch.float64) ** 2
+
+
+def group_energies(groups: list[Tensor], basis: TangentBasis) -> Tensor:
+    """``(len(groups), 2)`` float64: tr(Q_TᵀS_gQ_T) and tr(S_g) of each group's S_g."""
+    q = basis.basis_.to(torch.float64)
+    return torch.tensor(
+        [[float(((m.to(torch.float64) @ q) * q).sum()), float(torch.trace(m))] for m in groups],
+        dtype=torch.float64,
+    )
+
+
+def energy_intervals(
+    energies: Tensor, share: float, basis: TangentBasis
+) -> dict[str, tuple[float, float]]:
+    """Jackknife intervals of ``tangent_share`` (``share`` = tr(Q_TᵀSQ_T)/tr(S)) and
+    ``energy_ratio`` from each group's (tr(Q_TᵀS_gQ_T), tr(S_g)) in ``energies``: the share
+    without group g is the difference of the sums over the groups that saw data (none with
+    fewer than two)."""
+    seen = energies[energies[:, 1] > 0].to(torch.float64)
     if len(seen) < 2:
         return {}
-    total = sum(seen)
-    shares = [tangent_share(total - m, basis) for m in seen]
-    share = tangent_share(total, basis)
+    total = seen.sum(0)
+    shares = [float((total[0] - e[0]) / (total[1] - e[1])) for e in seen]
     ratios = [energy_ratio(x, basis.k, basis.d) for x in shares]
     return {
         "tangent_share": jackknife_interval(shares, share),
@@ -228,6 +301,14 @@ def matrix_intervals(groups: list[Tensor], basis: TangentBasis) -> dict[str, tup
             ratios, energy_ratio(share, basis.k, basis.d), log_scale=True
         ),
     }
+
+
+def matrix_intervals(groups: list[Tensor], basis: TangentBasis) -> dict[str, tuple[float, float]]:
+    """`energy_intervals` of S = Σ_g S_g from the groups' matrices."""
+    seen = [m for m in groups if float(torch.trace(m)) > 0]
+    if len(seen) < 2:
+        return {}
+    return energy_intervals(group_energies(seen, basis), tangent_share(sum(seen), basis), basis)
 
 
 def _input_sites(plan: Plan) -> dict[Site, TangentBasis]:

@@ -1,0 +1,159 @@
+"""The curve: the probe pass's slope per batch and the fixed costs, as ratios to bare passes.
+
+    .venv/bin/python benchmarks/bench_curve.py [--batches 1,4,16,32] [--repeat 2]
+        [--layers all|0,5,10] [--breakdown] [--quick]
+
+On SmolLM2-135M (30 layers, d = 576) with the default bases of `fit_bases` (rank 16) and
+the four default probes (residual, attention with its head null, gradient,
+weight_gradient), batches of 4 × 128 tokens, for each B in ``--batches`` each repeat
+measures, interleaved in one process:
+
+- B bare forward+backward passes of the summed next-token loss, and the same B passes
+  inside the probe session (the pass), then the session's `results()`;
+- B bare forwards (no gradient), and `fit_bases` over the same B batches.
+
+A line fitted over B (least squares, per repeat) splits each cost into a slope (per batch,
+so per 512 tokens) and an intercept: the pass's slope over the bare slope is what every
+further batch costs; `results()` is a fixed cost, reported in bare forward+backward passes
+(the bare slope). ``end to end`` is (pass + results) / bare at each B; ``fit_bases`` is
+its time over the B bare forwards. ``--breakdown`` adds each probe alone: its pass slope
+over the bare slope, minus one (what it adds per batch). ``--quick``: layers 0 and 1,
+B in 1, 2, one repeat (a smoke run).
+
+Every figure is the median over repeats with its min–max. Timing on a shared machine is
+noisy: compare ratios from one run, never absolute times across runs; the load average
+is printed before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+import torch
+
+from tangentlens import models
+from tangentlens.probes import fit_bases, lm_loss, probe
+
+PROBES = ("residual", "attention", "gradient", "weight_gradient")
+BATCH, POS = 4, 128
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """Least-squares slope and intercept of ys over xs (one point: through the origin)."""
+    if len(set(xs)) < 2:
+        return ys[0] / xs[0], 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    return slope, my - slope * mx
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):6.2f}x  ({min(values):.2f}-{max(values):.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,4,16,32", help="comma-separated B values")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--layers", default="all", help="all, or comma-separated layer indices")
+    ap.add_argument("--breakdown", action="store_true", help="also each probe alone")
+    ap.add_argument("--quick", action="store_true", help="layers 0,1; B = 1,2; one repeat")
+    args = ap.parse_args()
+    if args.quick:
+        args.layers, args.batches, args.repeat = "0,1", "1,2", 1
+    warnings.simplefilter("ignore")
+    print(f"load average {os.getloadavg()}, {torch.get_num_threads()} threads", flush=True)
+    sizes = sorted({int(b) for b in args.batches.split(",")})
+    bridge, tok = models.load("smollm2-135m")
+    layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    fit = [torch.randint(0, len(tok), (BATCH, POS), generator=gen) for _ in range(2)]
+    data = [torch.randint(0, len(tok), (BATCH, POS), generator=gen) for _ in range(sizes[-1])]
+    bases = fit_bases(bridge, fit, rank=16, layers=layers, progress=False)
+
+    def bare_fb(batches: list[torch.Tensor]) -> None:
+        for ids in batches:
+            lm_loss(bridge, ids).backward()
+            bridge.zero_grad(set_to_none=True)
+
+    def bare_fwd(batches: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for ids in batches:
+                bridge(ids)
+
+    def session_pass(names: tuple[str, ...], batches: list[torch.Tensor]):
+        with probe(bridge, bases, names, layers=layers) as session:
+            t = _timed(lambda: bare_fb(batches))
+        return session, t
+
+    names = [("all", PROBES)] + ([(n, (n,)) for n in PROBES] if args.breakdown else [])
+    out: dict[str, list[float]] = {}
+    for r in range(args.repeat):
+        times: dict[str, list[float]] = {}
+        for b in sizes:
+            batches = data[:b]
+            for label, chosen in names:
+                t_bare = _timed(lambda bs=batches: bare_fb(bs))
+                session, t_pass = session_pass(chosen, batches)
+                times.setdefault(f"bare/{label}", []).append(t_bare)
+                times.setdefault(f"pass/{label}", []).append(t_pass)
+                if label == "all":
+                    t_res = _timed(lambda s=session: s.results(progress=False))
+                    times.setdefault("results", []).append(t_res)
+                    nbytes = sum(
+                        t.nbytes for p in session.probes.values() for t in p.state_dict().values()
+                    )
+                del session
+            t_fwd = _timed(lambda bs=batches: bare_fwd(bs))
+            t_fit = _timed(
+                lambda bs=batches: fit_bases(bridge, bs, rank=16, layers=layers, progress=False)
+            )
+            times.setdefault("fwd", []).append(t_fwd)
+            times.setdefault("fit", []).append(t_fit)
+            print(
+                f"repeat {r} B={b}: bare {times['bare/all'][-1]:.1f} s, "
+                f"pass {times['pass/all'][-1]:.1f} s, "
+                f"results {times['results'][-1]:.1f} s, state {nbytes / 2**20:.0f} MiB; "
+                f"fwd {t_fwd:.1f} s, fit_bases {t_fit:.1f} s; load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+        bare_slope, _ = _line(sizes, times["bare/all"])
+        for label, _ in names:
+            slope, _ = _line(sizes, times[f"pass/{label}"])
+            own, _ = _line(sizes, times[f"bare/{label}"])
+            key = "pass slope" if label == "all" else f"{label} alone adds"
+            out.setdefault(key, []).append(slope / own - (label != "all"))
+        out.setdefault("results (fixed)", []).append(
+            statistics.fmean(times["results"]) / bare_slope
+        )
+        fwd_slope, _ = _line(sizes, times["fwd"])
+        fit_slope, fit_fixed = _line(sizes, times["fit"])
+        out.setdefault("fit_bases slope", []).append(fit_slope / fwd_slope)
+        out.setdefault("fit_bases fixed", []).append(fit_fixed / fwd_slope)
+        for i, b in enumerate(sizes):
+            end = times["pass/all"][i] + times["results"][i]
+            out.setdefault(f"end to end B={b}", []).append(end / times["bare/all"][i])
+            out.setdefault(f"fit_bases B={b}", []).append(times["fit"][i] / times["fwd"][i])
+    print(
+        f"\nSmolLM2-135M, {len(bases)} bases, layers={args.layers}, B={sizes}, "
+        f"{BATCH}x{POS} tokens a batch, repeats={args.repeat}; load average {os.getloadavg()}"
+    )
+    print("slopes: per batch over the bare slope; fixed: in bare passes (fwd+bwd or fwd)")
+    for key, values in out.items():
+        print(f"{key:>24}: {_spread(values)}")
+
+
+if __name__ == "__main__":
+    main()

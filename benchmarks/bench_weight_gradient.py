@@ -1,0 +1,133 @@
+"""The weight-gradient probe alone, this tree's against a former one, in one process.
+
+    .venv/bin/python benchmarks/bench_weight_gradient.py --old 7171fd7 [--layers all]
+        [--batches 2] [--repeat 4] [--tables]
+
+On SmolLM2-135M with the default bases of `fit_bases` (rank 16) at the ``attn_in`` and
+``mlp_in`` sites, each repeat times B bare forward+backward passes, then the same passes
+with this tree's `WeightGradientProbe` and with the one in git revision ``--old`` (loaded
+from its source; the order alternates between repeats): what each adds per batch over
+the bare passes, and the bytes of its state. ``--tables``: instead, the results tables of
+both (1000 controls) against a reference with every product in float64 (`gram_dtype`
+forced to float64), as the largest relative difference per statistic. Timing on a shared
+machine is noisy: read the ratios of one run; the load average is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+import types
+import warnings
+
+import numpy as np
+import torch
+
+import tangentlens.probes.weight_gradient as wg
+from tangentlens import models
+from tangentlens.hooks import INPUT_KINDS, get_backend
+from tangentlens.probes import fit_bases, lm_loss, probe
+
+
+def _old_probe(rev: str) -> type:
+    src = subprocess.run(
+        ["git", "show", f"{rev}:tangentlens/probes/weight_gradient.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    src = src[: src.index("def _input_sites")]  # without registering it a second time
+    module = types.ModuleType("tangentlens.probes._former_weight_gradient")
+    module.__package__ = "tangentlens.probes"
+    exec(compile(src, f"{rev}:weight_gradient.py", "exec"), module.__dict__)
+    return module.WeightGradientProbe
+
+
+def _worst(ref, other) -> dict[str, str]:
+    out = {}
+    for statistic in ("tangent_share", "energy_ratio", "normalized_ratio", "p_value"):
+        rows = (ref["statistic"] == statistic).to_numpy()
+        worst = 0.0
+        for col in ("value", "ci_low", "ci_high"):
+            x, y = ref[col].to_numpy(float)[rows], other[col].to_numpy(float)[rows]
+            both = np.isnan(x) & np.isnan(y)
+            rel = np.where(both, 0.0, np.abs(x - y) / np.maximum(np.abs(x), 1e-300))
+            worst = max(worst, float(np.nanmax(rel)) if rel.size else 0.0)
+        out[statistic] = f"{worst:.1e}"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", required=True, help="git revision of the former probe")
+    ap.add_argument("--layers", default="all")
+    ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=4)
+    ap.add_argument("--tables", action="store_true")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    print(f"load average {os.getloadavg()}", flush=True)
+    kinds = {"old": _old_probe(args.old), "new": wg.WeightGradientProbe}
+    bridge, tok = models.load("smollm2-135m")
+    backend = get_backend(bridge)
+    layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    fit = [torch.randint(0, len(tok), (4, 128), generator=gen) for _ in range(2)]
+    data = [torch.randint(0, len(tok), (4, 128), generator=gen) for _ in range(args.batches)]
+    bases = fit_bases(bridge, fit, rank=16, layers=layers, progress=False)
+    inputs = {s: b for s, b in bases.by_site().items() if s.kind in INPUT_KINDS}
+
+    def fb() -> None:
+        for ids in data:
+            lm_loss(bridge, ids).backward()
+            bridge.zero_grad(set_to_none=True)
+
+    def probed(cls: type):
+        p = cls(inputs, backend, n_controls=1000, n_groups=10)
+        with probe(bridge, None, [p], layers=layers) as session:
+            start = time.perf_counter()
+            fb()
+            return p, session, time.perf_counter() - start
+
+    if args.tables:
+        tables = {}
+        for name in ("float64", "old", "new"):
+            keep = wg.gram_dtype
+            if name == "float64":
+                wg.gram_dtype = lambda x: torch.float64
+            try:
+                _, session, _ = probed(kinds.get(name, wg.WeightGradientProbe))
+            finally:
+                wg.gram_dtype = keep
+            tables[name] = session.results(progress=False)
+        for name in ("old", "new"):
+            print(
+                f"{name} vs float64, max rel. difference:", _worst(tables["float64"], tables[name])
+            )
+        return
+    adds: dict[str, list[float]] = {"old": [], "new": []}
+    for r in range(args.repeat):
+        start = time.perf_counter()
+        fb()
+        bare = time.perf_counter() - start
+        for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+            p, _, t = probed(kinds[name])
+            adds[name].append(t / bare - 1)
+            nbytes = sum(t.nbytes for t in p.state_dict().values())
+            print(
+                f"repeat {r} {name}: adds {t / bare - 1:.2f}x of bare ({bare:.1f} s), "
+                f"state {nbytes / 2**20:.0f} MiB, load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+    for name, values in adds.items():
+        print(
+            f"{name}: adds {statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+        )
+    print(f"load average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
