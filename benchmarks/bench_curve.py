@@ -30,22 +30,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 import warnings
 
 import torch
+from _timing import timed
 
 from tangentlens import models
 from tangentlens.probes import fit_bases, lm_loss, probe
 
 PROBES = ("residual", "attention", "gradient", "weight_gradient")
 BATCH, POS = 4, 128
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
@@ -95,7 +89,7 @@ def main() -> None:
 
     def session_pass(names: tuple[str, ...], batches: list[torch.Tensor]):
         with probe(bridge, bases, names, layers=layers) as session:
-            t = _timed(lambda: bare_fb(batches))
+            t = timed(lambda: bare_fb(batches))
         return session, t
 
     names = [("all", PROBES)] + ([(n, (n,)) for n in PROBES] if args.breakdown else [])
@@ -105,19 +99,19 @@ def main() -> None:
         for b in sizes:
             batches = data[:b]
             for label, chosen in names:
-                t_bare = _timed(lambda bs=batches: bare_fb(bs))
+                t_bare = timed(lambda bs=batches: bare_fb(bs))
                 session, t_pass = session_pass(chosen, batches)
                 times.setdefault(f"bare/{label}", []).append(t_bare)
                 times.setdefault(f"pass/{label}", []).append(t_pass)
                 if label == "all":
-                    t_res = _timed(lambda s=session: s.results(progress=False))
+                    t_res = timed(lambda s=session: s.results(progress=False))
                     times.setdefault("results", []).append(t_res)
                     nbytes = sum(
                         t.nbytes for p in session.probes.values() for t in p.state_dict().values()
                     )
                 del session
-            t_fwd = _timed(lambda bs=batches: bare_fwd(bs))
-            t_fit = _timed(
+            t_fwd = timed(lambda bs=batches: bare_fwd(bs))
+            t_fit = timed(
                 lambda bs=batches: fit_bases(bridge, bs, rank=16, layers=layers, progress=False)
             )
             times.setdefault("fwd", []).append(t_fwd)

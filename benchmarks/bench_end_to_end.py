@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 
 import torch
+from _timing import timed
 
 from tangentlens import models
 from tangentlens.core.compute import site_map, top_eigh
@@ -37,12 +37,6 @@ from tangentlens.probes import fit_bases, lm_loss, probe
 from tangentlens.probes.base import first_equal
 
 PROBES = ("residual", "attention", "gradient")
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -79,12 +73,12 @@ def main() -> None:
 
     ratios: dict[str, list[float]] = {"pass": [], "results": [], "end_to_end": [], "fit": []}
     for _ in range(args.repeat):
-        t_fb = _timed(bare_fb)
+        t_fb = timed(bare_fb)
         with probe(bridge, bases, PROBES, layers=layers) as session:
-            t_pass = _timed(bare_fb)
-        t_res = _timed(lambda s=session: s.results(progress=False))
-        t_fwd = _timed(bare_fwd)
-        t_fit = _timed(lambda: fit_bases(bridge, fit, rank=16, layers=layers, progress=False))
+            t_pass = timed(bare_fb)
+        t_res = timed(lambda s=session: s.results(progress=False))
+        t_fwd = timed(bare_fwd)
+        t_fit = timed(lambda: fit_bases(bridge, fit, rank=16, layers=layers, progress=False))
         ratios["pass"].append(t_pass / t_fb)
         ratios["results"].append(t_res / t_fb)
         ratios["end_to_end"].append((t_pass + t_res) / t_fb)
@@ -95,23 +89,23 @@ def main() -> None:
             flush=True,
         )
         for name in PROBES if args.breakdown else ():
-            t_fb = _timed(bare_fb)
+            t_fb = timed(bare_fb)
             with probe(bridge, bases, (name,), layers=layers) as session:
-                t_pass = _timed(bare_fb)
-            t_res = _timed(lambda s=session: s.results(progress=False))
+                t_pass = timed(bare_fb)
+            t_res = timed(lambda s=session: s.results(progress=False))
             ratios.setdefault(f"{name} pass adds", []).append(t_pass / t_fb - 1)
             ratios.setdefault(f"{name} results", []).append(t_res / t_fb)
         if args.breakdown:
-            t_fb = _timed(bare_fb)
+            t_fb = timed(bare_fb)
             with probe(bridge, bases, PROBES, layers=layers, head_null=0) as session:
-                t_pass = _timed(bare_fb)
-            t_res = _timed(lambda s=session: s.results(progress=False))
+                t_pass = timed(bare_fb)
+            t_res = timed(lambda s=session: s.results(progress=False))
             ratios.setdefault("no head null", []).append((t_pass + t_res) / t_fb)
-            t_fwd = _timed(bare_fwd)
-            t_fit = _timed(lambda: fit_bases(bridge, one, rank=16, layers=layers, progress=False))
+            t_fwd = timed(bare_fwd)
+            t_fit = timed(lambda: fit_bases(bridge, one, rank=16, layers=layers, progress=False))
             ratios.setdefault("fit, no split halves", []).append(t_fit / t_fwd)
-            ratios.setdefault("fit: eigh alone", []).append(_timed(decompositions) / t_fwd)
-            t_hash = _timed(lambda: tensor_hash(bridge.state_dict()))
+            ratios.setdefault("fit: eigh alone", []).append(timed(decompositions) / t_fwd)
+            t_hash = timed(lambda: tensor_hash(bridge.state_dict()))
             ratios.setdefault("fit: hash alone", []).append(t_hash / t_fwd)
     sites = len(bases)
     print(f"\nSmolLM2-135M, {sites} bases, layers={args.layers}, repeats={args.repeat}")

@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
+from _timing import timed
 
 from tangentlens.core.compute import top_eigh
 from tangentlens.core.significance import tangent_tests
@@ -40,12 +40,6 @@ def _moments(d: int, n: int, gen: torch.Generator) -> Moments:
     x = torch.randn(n, d, generator=gen, dtype=torch.float64) * scales
     rotation = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64)).Q
     return Moments().update(x @ rotation.T + 0.1)
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -68,10 +62,10 @@ def main() -> None:
         times: dict[str, list[float]] = {}
         for _ in range(args.repeat):
             t = {
-                "eigh": _timed(lambda c=cov: top_eigh(c.clone(), k + 1)),
-                "fit": _timed(lambda p=pooled: TangentBasis.fit(p, rank=k)),
-                "split-half": _timed(lambda h=halves: split_half_overlap(*h, k)),
-                "tests": _timed(
+                "eigh": timed(lambda c=cov: top_eigh(c.clone(), k + 1)),
+                "fit": timed(lambda p=pooled: TangentBasis.fit(p, rank=k)),
+                "split-half": timed(lambda h=halves: split_half_overlap(*h, k)),
+                "tests": timed(
                     lambda g=grads, b=basis, p=pooled: tangent_tests(
                         g, b, n_controls=args.controls, activation_moments=p
                     )

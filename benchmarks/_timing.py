@@ -1,0 +1,14 @@
+"""Shared by the benchmarks (run as scripts, so their folder is on ``sys.path``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Wall-clock seconds of one call of ``fn``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
