@@ -72,7 +72,7 @@ def _tamper(path: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> No
 
 
 def _times3(tensors: dict[str, torch.Tensor]) -> None:
-    key = next(k for k in tensors if k.startswith("grad/") and k.endswith("/scatter"))
+    key = next(k for k in tensors if k.startswith("gradient/grad/") and k.endswith("/scatter"))
     tensors[key] = tensors[key] * 3
 
 

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 from models import tl_bridge, tokens
 
+from tangentlens.core.errors import UsageError
 from tangentlens.probes import fit_bases, registry, run
 
 OPTS = {"n_controls": 30, "head_null": 2, "progress": False}
@@ -57,3 +58,35 @@ def test_state_round_trips_and_compute_is_deterministic(name, setup, one_thread)
     probe.reset()
     probe.load_state_dict(state)
     _same(_rows(session, name), rows)
+
+
+@pytest.mark.parametrize("name", ["residual", "gradient"])
+def test_a_basis_free_state_computes_the_rows_of_one_kept_for_its_bases(
+    name, setup, one_thread
+) -> None:
+    """Collect, then compute: built on the sites alone (per-group second moments), a probe
+    computes against bases given afterwards the same rows as one built on those bases
+    (which keeps their projections only), intervals included; the free state also gives
+    ``delta_iso_tangent`` an interval. One implementation of each statistic."""
+    model, batches, bases = setup
+    session = run(model, batches[1:], bases, (name,), **OPTS)
+    based = session.probes[name]
+    cls = type(based)
+    options = {"n_controls": OPTS["n_controls"]} if name == "gradient" else {}
+    free = cls(list(based.sites), n_groups=based.n_groups, **options)
+    run(model, batches[1:], None, [free], progress=False)
+    assert free.basis_free and free.rows() == []
+    ours = pd.DataFrame(free.compute(based.bases)).sort_values(KEY[1:]).reset_index(drop=True)
+    theirs = _rows(session, name).sort_values(KEY[1:]).reset_index(drop=True)
+    pd.testing.assert_frame_equal(ours[KEY], theirs[KEY], check_dtype=False)
+    np.testing.assert_allclose(ours["value"], theirs["value"], rtol=1e-9, atol=1e-12)
+    for column in ("ci_low", "ci_high"):
+        both = theirs[column].notna()
+        assert both.sum() > 0
+        np.testing.assert_allclose(ours.loc[both, column], theirs.loc[both, column], rtol=1e-9)
+        extra = set(ours.loc[ours[column].notna() & ~both, "statistic"])
+        assert extra == ({"delta_iso_tangent"} if name == "gradient" else set())
+    with pytest.raises(UsageError, match="bases"):
+        based.compute(
+            {s: fit_bases(model, batches[:1], rank=3, progress=False)[s] for s in based.sites[:1]}
+        )

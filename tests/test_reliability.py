@@ -147,7 +147,7 @@ def _drop_part_key(key: str) -> Callable[[dict, dict], None]:
 
 
 def _nan_moments(tensors: dict, _: dict) -> None:
-    key = next(k for k in tensors if k.startswith("grad/") and k.endswith("/mean"))
+    key = next(k for k in tensors if k.startswith("gradient/grad/") and k.endswith("/mean"))
     tensors[key][0] = float("nan")
 
 
@@ -326,8 +326,8 @@ CLI_CASES: dict[str, Case] = {
 
 
 def _rename_group(tensors: dict, _: dict) -> None:
-    for key in [k for k in tensors if k.startswith("grad/0/")]:
-        tensors["grad/99/" + key.removeprefix("grad/0/")] = tensors.pop(key)
+    for key in [k for k in tensors if k.startswith("gradient/grad/0/")]:
+        tensors["gradient/grad/99/" + key.removeprefix("gradient/grad/0/")] = tensors.pop(key)
 
 
 def _truncated_part(w: Path, tmp: Path) -> list[str]:

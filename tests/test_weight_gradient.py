@@ -289,23 +289,37 @@ def test_merge_of_two_half_runs_equals_one_run() -> None:
     assert rows == loaded_rows and len(rows) == 4 * 7
 
 
-def test_sites_without_bases_collect_the_same_statistics_and_have_no_rows() -> None:
+def test_sites_without_bases_collect_what_computes_the_same_rows() -> None:
     """S is basis-free: a probe given only the sites (a study fits Q_T afterwards) keeps
-    each group's S_g whole; one given bases keeps the total S and each group's two
-    energies tr(Q_TᵀS_gQ_T), tr(S_g). Both hold the same S, energies and intervals; the
-    free one has nothing to test S against."""
+    each group's S_g and activations whole; one given bases keeps the total S and each
+    group's two energies tr(Q_TᵀS_gQ_T), tr(S_g). `compute` against the same bases gives
+    the same rows from both; the free one has no rows of its own (no basis)."""
     arch = "gpt2"
     model, batches = tl_bridge(arch), _batches(arch)
     bases = _input_bases(model, batches)
     based = run(model, batches, bases, PROBE, **OPTS).probes["weight_gradient"]
-    free = WeightGradientProbe(list(bases.by_site()), get_backend(model), n_groups=based.n_groups)
+    free = WeightGradientProbe(
+        list(bases.by_site()),
+        get_backend(model),
+        n_groups=based.n_groups,
+        n_controls=based.n_controls,
+    )
     run(model, batches, None, [free], progress=False)
-    assert free.bases == {} and free.rows() == []
+    assert free.basis_free and free.rows() == []
     ours, theirs = free.state_dict(), based.state_dict()
-    for key, value in theirs.items():  # activations and passes: the same state
-        if not key.startswith("wgrad"):
-            assert torch.equal(ours[key], value), key
+    assert {k for k in ours if k.startswith("passes")} == {k for k in theirs if "passes" in k}
+    for key in (k for k in theirs if k.startswith("passes")):
+        assert torch.equal(ours[key], theirs[key]), key
+    computed = {(r["hook"], r["statistic"]): r for r in free.compute(bases.by_site())}
     rows = {(r["hook"], r["statistic"]): r for r in based.rows()}
+    assert computed.keys() == rows.keys()
+    for key, r in rows.items():
+        for column in ("value", "ci_low", "ci_high"):
+            mine, expected = computed[key].get(column), r.get(column)
+            if expected is None:
+                assert mine is None, (key, column)
+            else:
+                assert mine == pytest.approx(expected, rel=1e-9, nan_ok=True), (key, column)
     for site, total in free.matrices().items():
         torch.testing.assert_close(based.matrices()[site], total, rtol=1e-12, atol=0)
         groups = free.group_matrices(site)

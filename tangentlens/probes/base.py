@@ -30,6 +30,7 @@ from ..hooks.sites import Site
 
 __all__ = [
     "Mergeable",
+    "MomentProbe",
     "Observation",
     "Probe",
     "Sum",
@@ -259,6 +260,60 @@ class Probe:
     def __repr__(self) -> str:
         sites = sorted({s.hook_name for s in self.forward_sites + self.backward_sites})
         return f"{type(self).__name__}({len(sites)} sites)"
+
+
+class MomentProbe(Probe):
+    """A probe that collects first and tests against bases after: `compute` is the one
+    implementation of its statistics, whichever way its state was collected.
+
+    Built on sites alone (a list), the state is basis-free (second moments per group of
+    sequences), so `compute` takes bases fitted after the pass: a study collects each
+    checkpoint this way, saves the `state_dict`, and computes once Q_T exists. Built on
+    bases (site → Q_T), the state may keep only what `compute` reads for those bases
+    (their projections: a few floats per group instead of a d × d matrix each), and
+    `compute` then takes those bases alone. `rows` is `compute` against the
+    construction's bases (no rows without any: nothing to test against)."""
+
+    def _set_sites(self, bases: Mapping[Site, Any] | Sequence[Site]) -> None:
+        self.sites: list[Site] = list(bases)
+        self.bases: dict[Site, Any] = dict(bases) if isinstance(bases, Mapping) else {}
+
+    @property
+    def basis_free(self) -> bool:
+        """Whether the state depends on no basis (built on sites alone)."""
+        return not self.bases
+
+    def compute(self, bases: Mapping[Site, Any] | None = None, **context: Any) -> list[dict]:
+        """Results rows of the state against ``bases`` (default: the construction's)."""
+        raise NotImplementedError
+
+    def rows(self) -> list[dict[str, Any]]:
+        return self.compute() if self.bases else []
+
+    def against(self, bases: Mapping[Site, Any] | None) -> dict[Site, Any]:
+        """The bases `compute` tests this probe's sites against: ``bases`` restricted to
+        them (sites without one are skipped), or the construction's. A state kept for its
+        own bases holds their projections only, so other bases are a `UsageError`."""
+        if bases is None:
+            if not self.bases:
+                raise UsageError(
+                    f"this {type(self).__name__} was built on sites alone: pass the bases to "
+                    "compute against (site -> TangentBasis)."
+                )
+            return dict(self.bases)
+        chosen = {s: bases[s] for s in self.sites if s in bases}
+        if self.bases and any(
+            s not in self.bases or not _same_basis(b, self.bases[s]) for s, b in chosen.items()
+        ):
+            raise UsageError(
+                f"this {type(self).__name__} kept only the projections on the bases it was "
+                "built with; build it on the sites alone (a list) to compute against others."
+            )
+        return chosen
+
+
+def _same_basis(a: Any, b: Any) -> bool:
+    return a is b or torch.equal(a.basis_, b.basis_)
 
 
 def first_equal(items: Sequence[T], same: Callable[[T, T], bool]) -> list[int]:

@@ -25,9 +25,12 @@ activations: 4·G floats, whatever d. With fewer than two groups seen the interv
 
 Memory per site: the gradient `Moments`, float64 (``memory="full"``, 8d² + 8d bytes) or
 float32 (``"compact"``, 4d² + 8d), and the group sums. The activations need no d × d
-state: their share for ``normalized_ratio`` is the ratio of the group sums (an
-activation `Moments` per site cost a float64 batch product per site and pass; the
-``activation`` probe collects them where they are wanted).
+state: their share for ``normalized_ratio`` is the ratio of the group sums.
+
+Built on the sites alone (no basis yet), each group keeps the gradients' and the
+activations' `Moments` instead, 2·G·(8d² + 8d) bytes per site: `compute` forms the same
+sums from them for any basis (`tangentlens.probes.residual.group_energies`), and gives
+``delta_iso_tangent`` its jackknife interval too. This is how a study collects.
 
 ``energy_amplification`` (energy_ratio[l] / energy_ratio[p], p the previous probed layer
 of the site kind) comes with a joint jackknife over the same groups
@@ -39,10 +42,11 @@ Works on frozen models: the session makes the embedding output require grad.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..core.compute import site_map
 from ..core.errors import UsageError
@@ -50,24 +54,29 @@ from ..core.settings import N_CONTROLS, ZETA
 from ..core.significance import energy_ratio, pooled_shape, reference_at, tangent_tests
 from ..core.stats import Moments, state_dtype
 from ..core.subspace import TangentBasis
-from ..core.uncertainty import share_intervals
+from ..core.uncertainty import share_intervals, tangent_intervals
 from ..core.validation import check_int
 from ..hooks.sites import RESIDUAL_KINDS, Site
-from .base import Observation, Probe, Sum, ci_columns, first_equal, row, sites_bar
+from .base import MomentProbe, Observation, Sum, ci_columns, first_equal, row, sites_bar
 from .registry import Plan, ProbeSpec, register
-from .residual import amplification_rows, energy_sums
+from .residual import amplification_rows, energy_sums, group_energies
 
 __all__ = ["GradientProbe"]
 
 
-class GradientProbe(Probe):
-    """Gradient `Moments` per residual site and their tests against the site's basis."""
+class GradientProbe(MomentProbe):
+    """Gradient `Moments` per residual site and their tests against the site's basis.
+
+    ``bases`` maps each site to its Q_T, or is just the sites: then each group of
+    sequences keeps its gradients' and activations' `Moments` (basis-free; a study
+    collects this way and computes once Q_T is fitted), and `compute` also gives
+    ``delta_iso_tangent`` an interval (it needs each group's whole covariance)."""
 
     name = "gradient"
 
     def __init__(
         self,
-        bases: Mapping[Site, TangentBasis],
+        bases: Mapping[Site, TangentBasis] | Sequence[Site],
         *,
         n_controls: int = N_CONTROLS.default,
         zeta: float = ZETA.default,
@@ -82,7 +91,7 @@ class GradientProbe(Probe):
                 raise UsageError(
                     f"the gradient probe reads residual sites {RESIDUAL_KINDS}; got {site}."
                 )
-        self.bases = dict(bases)
+        self._set_sites(bases)
         self.n_controls = check_int(n_controls, "n_controls", minimum=1)
         if not (isinstance(zeta, int | float) and 0 <= zeta <= 1):
             raise UsageError(
@@ -92,89 +101,143 @@ class GradientProbe(Probe):
         self.seed = check_int(seed, "seed", minimum=0)
         self.n_groups = check_int(n_groups, "n_groups", minimum=2)
         self.memory = memory
-        for site in self.bases:
+        for site in self.sites:
+            if self.basis_free:
+                for g in range(self.n_groups):
+                    for kind in ("grad", "act"):
+                        key = f"{kind}/{g}/{site.hook_name}"
+                        self.add_state(key, lambda: Moments(dtype=dtype))
+                continue
             self.add_state(f"grad/{site.hook_name}", lambda: Moments(dtype=dtype))
             # per group: gradient (tangent, total) energy, then the activations'
             self.add_state(f"groups/{site.hook_name}", lambda: Sum((self.n_groups, 4)))
 
     @property
     def forward_sites(self) -> list[Site]:
-        return list(self.bases)
+        return list(self.sites)
 
     @property
     def backward_sites(self) -> list[Site]:
-        return list(self.bases)
+        return list(self.sites)
 
     def update(self, obs: Observation) -> None:
-        self._add_group(obs, 2)
+        self._add(obs, "act", 2)
 
     def update_gradient(self, obs: Observation) -> None:
-        self.state(f"grad/{obs.site.hook_name}").add_batch(*obs.statistics())
-        self._add_group(obs, 0)
+        if not self.basis_free:
+            self.state(f"grad/{obs.site.hook_name}").add_batch(*obs.statistics())
+        self._add(obs, "grad", 0)
 
-    def _add_group(self, obs: Observation, column: int) -> None:
+    def _add(self, obs: Observation, kind: str, column: int) -> None:
+        group = obs.group % self.n_groups
+        if self.basis_free:
+            self.state(f"{kind}/{group}/{obs.site.hook_name}").add_batch(*obs.statistics())
+            return
         total, tangent, _ = energy_sums(obs.tensor, self.bases[obs.site], obs.mask)
         sums = self.state(f"groups/{obs.site.hook_name}")
         update = torch.zeros_like(sums.value, device=total.device)
-        update[obs.group % self.n_groups, column : column + 2] = torch.stack([tangent, total])
+        update[group, column : column + 2] = torch.stack([tangent, total])
         sums.add(update)
+
+    def group_moments(self, site: Site, kind: str = "grad") -> list[Moments]:
+        """``kind`` (``"grad"`` or ``"act"``) `Moments` of each group at ``site`` (a
+        basis-free state)."""
+        return [self.state(f"{kind}/{g}/{site.hook_name}") for g in range(self.n_groups)]
 
     def moments(self) -> dict[Site, Moments]:
         """Site → `Moments` of the gradients."""
-        return {s: self.state(f"grad/{s.hook_name}") for s in self.bases}
+        if self.basis_free:
+            return {s: Moments.merged(self.group_moments(s)) for s in self.sites}
+        return {s: self.state(f"grad/{s.hook_name}") for s in self.sites}
 
-    def rows(self) -> list[dict[str, Any]]:
-        out = []
-        sites = [(s, g) for s, g in self.moments().items() if g.count]
+    def group_sums(self, bases: Mapping[Site, TangentBasis] | None = None) -> dict[Site, Tensor]:
+        """Site → ``(G, 4)`` float64 per group: the gradients' (Σ‖gQ_T‖², Σ‖g‖²), then
+        the activations'."""
+        out = {}
+        for site, basis in self.against(bases).items():
+            if self.basis_free:
+                grads = group_energies(self.group_moments(site, "grad"), basis)
+                acts = group_energies(self.group_moments(site, "act"), basis)
+                out[site] = torch.cat([grads, acts], 1)
+            else:
+                out[site] = self.state(f"groups/{site.hook_name}").value.cpu()
+        return out
+
+    def compute(
+        self,
+        bases: Mapping[Site, TangentBasis] | None = None,
+        *,
+        references: Mapping[Site, Tensor] | None = None,
+        **context: Any,
+    ) -> list[dict[str, Any]]:
+        """The tests of each site's gradients against its basis, with intervals, and
+        ``energy_amplification``. ``references``: site → ΔIsoScore*'s reference shape
+        (`pooled_shape`; a study's pools every checkpoint); by default each site's own
+        gradients' (a pool of this one state)."""
+        bases = self.against(bases)
+        merged = self.moments()
+        sites = [(s, merged[s]) for s in bases if merged[s].count]
         # two names of one tensor are tested once; distinct sites side by side
-        first = first_equal(sites, self._same)
+        first = first_equal(sites, lambda a, b: _same(a, b, bases))
         order = sorted(set(first))
+
+        def reference(site: Site, grads: Moments) -> Tensor:
+            shape = (references or {}).get(site)
+            return reference_at(pooled_shape([grads]) if shape is None else shape, grads)
 
         def test(item: tuple[Site, Moments]) -> dict[str, float]:
             site, grads = item
-            # ΔIsoScore*'s reference as a study's, from a pool of this one checkpoint
-            reference = reference_at(pooled_shape([grads]), grads)
             return tangent_tests(
                 grads,
-                self.bases[site],
+                bases[site],
                 n_controls=self.n_controls,
                 seed=self.seed,
                 zeta=self.zeta,
-                reference=reference,
+                reference=reference(site, grads),
             )
 
         results = site_map(test, [sites[i] for i in order])
         tested = dict(zip(order, sites_bar(results, self, len(order)), strict=True))
+        groups = self.group_sums(bases)
+        out = []
         for (site, grads), j in zip(sites, first, strict=True):
+            basis, sums = bases[site], groups[site]
             values = dict(tested[j])
-            # the activations' share from the group sums
-            tangent, total = self.state(f"groups/{site.hook_name}").value[:, 2:].sum(0).tolist()
-            act = self._ratio(site, tangent, total)
+            # the activations' share from the group sums: the random-backprop null
+            tangent, total = sums[:, 2:].sum(0).tolist()
+            act = energy_ratio(tangent / total if total > 0 else math.nan, basis.k, basis.d)
             values["normalized_ratio"] = values["energy_ratio"] / act if act > 0 else math.nan
             values["n_tokens"] = float(grads.count)
-            cis = self._intervals(site)
+            cis = self._intervals(site, basis, sums, reference(site, grads))
             out += [row(self.name, site, k, v, **ci_columns(cis.get(k))) for k, v in values.items()]
-        groups = {s: self.state(f"groups/{s.hook_name}").value.cpu()[:, :2] for s in self.bases}
-        return out + amplification_rows(self.name, "energy_amplification", groups, self._ratio)
 
-    def _same(self, a: tuple[Site, Moments], b: tuple[Site, Moments]) -> bool:
-        """Bit-identical gradients and basis: two names of one tensor (with the basis
-        `fit_bases` relabels)."""
-        return a[1].identical(b[1]) and torch.equal(
-            self.bases[a[0]].basis_, self.bases[b[0]].basis_
-        )
+        def ratio(site: Site, tangent: float, total: float) -> float:
+            share = tangent / total if total > 0 else math.nan
+            return energy_ratio(share, bases[site].k, bases[site].d)
 
-    def _ratio(self, site: Site, tangent: float, total: float) -> float:
-        share = tangent / total if total > 0 else math.nan
-        return energy_ratio(share, self.bases[site].k, self.bases[site].d)
+        energies = {s: g[:, :2] for s, g in groups.items()}
+        return out + amplification_rows(self.name, "energy_amplification", energies, ratio)
 
-    def _intervals(self, site: Site) -> dict[str, tuple[float, float]]:
-        sums = self.state(f"groups/{site.hook_name}").value.cpu()
-        seen = sums[(sums[:, 1] > 0) & (sums[:, 3] > 0)]
-        if seen.shape[0] < 2:
+    def _intervals(
+        self, site: Site, basis: TangentBasis, sums: Tensor, reference: Tensor
+    ) -> dict[str, tuple[float, float]]:
+        seen = (sums[:, 1] > 0) & (sums[:, 3] > 0)
+        if int(seen.sum()) < 2:
             return {}
-        basis = self.bases[site]
-        return share_intervals(seen[:, :2], k=basis.k, d=basis.d, activation_sums=seen[:, 2:])
+        cis = share_intervals(sums[seen, :2], k=basis.k, d=basis.d, activation_sums=sums[seen, 2:])
+        if self.basis_free:  # ΔIsoScore* left one group out needs that group's covariance
+            kept = [m for m, s in zip(self.group_moments(site), seen.tolist(), strict=True) if s]
+            iso = tangent_intervals(kept, basis, zeta=self.zeta, reference=reference)
+            cis["delta_iso_tangent"] = iso["delta_iso_tangent"]
+        return cis
+
+
+def _same(
+    a: tuple[Site, Moments], b: tuple[Site, Moments], bases: Mapping[Site, TangentBasis]
+) -> bool:
+    """Bit-identical gradients and basis: two names of one tensor (with the basis
+    `fit_bases` relabels)."""
+    return a[1].identical(b[1]) and torch.equal(bases[a[0]].basis_, bases[b[0]].basis_)
 
 
 def _residual_sites(plan: Plan) -> dict[Site, TangentBasis]:

@@ -16,7 +16,9 @@ further into Q_T: that is where the bias amplifies.
 
 **Intervals.** The state is float64 sums (Σ‖x‖², Σ‖x Q_T‖², n) per site and per group of
 whole sequences (forward pass i goes to group i mod ``n_groups``), so batch splits and
-merges give the same numbers as one pass and no activation is kept. ``tangent_share``
+merges give the same numbers as one pass and no activation is kept; built on sites alone,
+each group keeps its activations' `Moments` instead and `compute` forms those sums for
+any basis (`group_energies`). ``tangent_share``
 and ``share_ratio`` get a delete-a-group jackknife interval (`tangentlens.core.uncertainty`).
 
 **Amplification.** ``share_amplification`` at a residual site of layer l is
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -40,14 +42,21 @@ import torch
 from torch import Tensor
 
 from ..core.errors import UsageError
+from ..core.stats import Moments, state_dtype
 from ..core.subspace import TangentBasis, shares
 from ..core.uncertainty import jackknife_interval, share_intervals
 from ..core.validation import check_int
 from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site
-from .base import Observation, Probe, Sum, ci_columns, row
+from .base import MomentProbe, Observation, Sum, ci_columns, row
 from .registry import Plan, ProbeSpec, register
 
-__all__ = ["ResidualProbe", "amplification_rows", "energy_sums", "write_basis_site"]
+__all__ = [
+    "ResidualProbe",
+    "amplification_rows",
+    "energy_sums",
+    "group_energies",
+    "write_basis_site",
+]
 
 
 @torch.no_grad()
@@ -138,56 +147,89 @@ def _over(numerator: float, denominator: float) -> float:
     return numerator / denominator
 
 
-class ResidualProbe(Probe):
-    """Accumulates `energy_sums` per site and group of sequences. ``bases`` maps each
-    measured site (residual sites and writes) to the basis it is measured in."""
+class ResidualProbe(MomentProbe):
+    """Energy shares per measured site (residual sites and writes) and group of
+    sequences. ``bases`` maps each site to the basis it is measured in: then each group
+    keeps its `energy_sums` (3 floats). Or ``bases`` is just the sites: each group keeps
+    the activations' `Moments` (basis-free, ``memory`` sets their dtype), and `compute`
+    measures them against bases fitted afterwards (a study's)."""
 
     name = "residual"
 
-    def __init__(self, bases: Mapping[Site, TangentBasis], *, n_groups: int = 10) -> None:
+    def __init__(
+        self,
+        bases: Mapping[Site, TangentBasis] | Sequence[Site],
+        *,
+        n_groups: int = 10,
+        memory: str = "full",
+    ) -> None:
         super().__init__()
         for site in bases:
             if site.kind not in (*RESIDUAL_KINDS, *WRITE_KINDS):
                 raise UsageError(
                     f"the residual probe measures residual sites and writes; got {site}."
                 )
-        self.bases = dict(bases)
+        self._set_sites(bases)
         self.n_groups = check_int(n_groups, "n_groups", minimum=2)
-        for site in self.bases:
-            self.add_state(site.hook_name, lambda: Sum((self.n_groups, 3)))
+        dtype = state_dtype(memory)
+        for site in self.sites:
+            if self.basis_free:
+                for g in range(self.n_groups):
+                    self.add_state(f"act/{g}/{site.hook_name}", lambda: Moments(dtype=dtype))
+            else:
+                self.add_state(site.hook_name, lambda: Sum((self.n_groups, 3)))
 
     @property
     def forward_sites(self) -> list[Site]:
-        return list(self.bases)
+        return list(self.sites)
 
     def update(self, obs: Observation) -> None:
+        group = obs.group % self.n_groups
+        if self.basis_free:
+            n, mean, scatter = obs.statistics()
+            _check_finite(mean, obs.site)
+            self.state(f"act/{group}/{obs.site.hook_name}").add_batch(n, mean, scatter)
+            return
         sums = energy_sums(obs.tensor, self.bases[obs.site], obs.mask)
-        if not bool(torch.isfinite(sums).all()):  # NaN would pass into every share silently
-            raise UsageError(
-                f"the activation at {obs.site.hook_name} holds NaN or Inf; check the model's "
-                "weights and dtype (overflow in float16?), or mask those positions with the "
-                "attention mask."
-            )
+        _check_finite(sums, obs.site)
         state = self.state(obs.site.hook_name)
         update = torch.zeros_like(state.value, device=sums.device)
-        update[obs.group % self.n_groups] = sums
+        update[group] = sums
         state.add(update)
 
-    def group_sums(self) -> dict[Site, Tensor]:
-        """Site → ``(G, 2)`` float64: (Σ‖x Q_T‖², Σ‖x‖²) per group of sequences."""
-        return {s: self.state(s.hook_name).value.cpu()[:, [1, 0]] for s in self.bases}
+    def group_moments(self, site: Site) -> list[Moments]:
+        """The activations' `Moments` of each group at ``site`` (a basis-free state)."""
+        return [self.state(f"act/{g}/{site.hook_name}") for g in range(self.n_groups)]
 
-    def _ratio(self, site: Site, tangent: float, total: float) -> float:
-        return shares(tangent, total, self.bases[site].k, self.bases[site].d)["share_ratio"]
+    def group_sums(self, bases: Mapping[Site, TangentBasis] | None = None) -> dict[Site, Tensor]:
+        """Site → ``(G, 3)`` float64: (Σ‖x Q_T‖², Σ‖x‖², n) per group of sequences."""
+        out = {}
+        for site, basis in self.against(bases).items():
+            if self.basis_free:
+                groups = self.group_moments(site)
+                counts = torch.tensor([[float(m.count)] for m in groups], dtype=torch.float64)
+                out[site] = torch.cat([group_energies(groups, basis), counts], 1)
+            else:
+                out[site] = self.state(site.hook_name).value.cpu()[:, [1, 0, 2]]
+        return out
 
-    def rows(self) -> list[dict[str, Any]]:
+    def compute(
+        self, bases: Mapping[Site, TangentBasis] | None = None, **context: Any
+    ) -> list[dict[str, Any]]:
+        """``tangent_share``, ``chance_share``, ``share_ratio``, ``mean_sq_norm``,
+        ``n_tokens`` per site, with jackknife intervals, and ``share_amplification``."""
+        bases = self.against(bases)
+        groups = self.group_sums(bases)
+
+        def ratio(site: Site, tangent: float, total: float) -> float:
+            return shares(tangent, total, bases[site].k, bases[site].d)["share_ratio"]
+
         out = []
-        groups = self.group_sums()
-        for site, basis in self.bases.items():
-            total, tangent, n = self.state(site.hook_name).value.cpu().sum(0).tolist()
+        for site, basis in bases.items():
+            tangent, total, n = groups[site].sum(0).tolist()
             if n == 0:
                 continue
-            seen = groups[site][groups[site][:, 1] > 0]
+            seen = groups[site][groups[site][:, 1] > 0, :2]
             cis = share_intervals(seen, k=basis.k, d=basis.d) if seen.shape[0] >= 2 else {}
             values = {
                 **shares(tangent, total, basis.k, basis.d),
@@ -195,7 +237,35 @@ class ResidualProbe(Probe):
                 "n_tokens": n,
             }
             out += [row(self.name, site, k, v, **ci_columns(cis.get(k))) for k, v in values.items()]
-        return out + amplification_rows(self.name, "share_amplification", groups, self._ratio)
+        energies = {s: g[:, :2] for s, g in groups.items()}
+        return out + amplification_rows(self.name, "share_amplification", energies, ratio)
+
+
+def group_energies(groups: Sequence[Moments | Tensor], basis: TangentBasis) -> Tensor:
+    """``(G, 2)`` float64: (Σ‖x Q_T‖², Σ‖x‖²) of each group's `Moments` (from its uncentred
+    Σ x xᵀ), or (tr(Q_TᵀMQ_T), tr(M)) of each PSD matrix M; zeros for an empty group. What
+    a state kept for one basis sums while collecting, from a basis-free state."""
+    q = basis.basis_.to(torch.float64)
+    out = torch.zeros(len(groups), 2, dtype=torch.float64)
+    for g, m in enumerate(groups):
+        if isinstance(m, Moments):
+            if not m.count:
+                continue
+            m = m.gram
+        m = m.to(torch.float64)
+        qq = q.to(m.device)
+        out[g, 0] = ((m @ qq) * qq).sum()
+        out[g, 1] = torch.trace(m)
+    return out
+
+
+def _check_finite(t: Tensor, site: Site) -> None:
+    if not bool(torch.isfinite(t).all()):  # NaN would pass into every share silently
+        raise UsageError(
+            f"the activation at {site.hook_name} holds NaN or Inf; check the model's "
+            "weights and dtype (overflow in float16?), or mask those positions with the "
+            "attention mask."
+        )
 
 
 def _measured(plan: Plan) -> dict[Site, TangentBasis]:

@@ -55,8 +55,9 @@ from ..core.uncertainty import jackknife_interval
 from ..core.validation import check_int
 from ..hooks.base import Backend, Handle, ModuleHandle
 from ..hooks.sites import INPUT_KINDS, Site
-from .base import Observation, Probe, Sum, ci_columns, row, sites_bar
+from .base import MomentProbe, Observation, Sum, ci_columns, row, sites_bar
 from .registry import Plan, ProbeSpec, register
+from .residual import group_energies
 
 __all__ = [
     "WeightGradientProbe",
@@ -67,22 +68,24 @@ __all__ = [
 ]
 
 
-class WeightGradientProbe(Probe):
+class WeightGradientProbe(MomentProbe):
     """Σ G Gᵀ of the weight gradients that read each ``attn_in`` / ``mlp_in`` site, and its
     energy test against the site's basis.
 
     ``bases`` maps each site to its Q_T; or it is just the sites (a list): S is
-    basis-free, so a caller that fits Q_T only afterwards (a study) collects S and its
-    state without inventing a basis, and such a probe has no rows (nothing to test S
-    against)."""
+    basis-free, so a caller that fits Q_T only afterwards (a study) collects S per group,
+    and the activations' `Moments` per group, and `compute` tests them against any bases.
+    ``backend`` (the model's) finds the maps that read each site; a probe rebuilt to
+    compute a saved state needs none, but then ``d_model`` (S is d × d)."""
 
     name = "weight_gradient"
 
     def __init__(
         self,
         bases: Mapping[Site, TangentBasis] | Sequence[Site],
-        backend: Backend,
+        backend: Backend | None,
         *,
+        d_model: int | None = None,
         n_controls: int = N_CONTROLS.default,
         seed: int = 0,
         n_groups: int = 1,
@@ -96,23 +99,27 @@ class WeightGradientProbe(Probe):
                     f"the weight_gradient probe reads the inputs of linear maps {INPUT_KINDS}; "
                     f"got {site}."
                 )
-            backend.input_linears(site)  # fails now, not at the first pass
-        self.sites = list(bases)
-        self.bases: dict[Site, TangentBasis] = dict(bases) if isinstance(bases, Mapping) else {}
+            if backend is not None:
+                backend.input_linears(site)  # fails now, not at the first pass
+        if backend is None and d_model is None:
+            raise UsageError("give the weight_gradient probe a backend, or d_model to load into.")
+        self._set_sites(bases)
+        width = backend.d_model if backend is not None else check_int(d_model, "d_model", minimum=2)
         self.n_controls = check_int(n_controls, "n_controls", minimum=1)
         self.seed = check_int(seed, "seed", minimum=0)
         self.n_groups = check_int(n_groups, "n_groups", minimum=1)
         self._masks: dict[Site, tuple[Tensor | None, int]] = {}
         self._q: dict[tuple[Site, torch.device], Tensor] = {}
         for site in self.sites:
-            d = self.bases[site].d if site in self.bases else backend.d_model
-            self.add_state(f"act/{site.hook_name}", lambda: Moments(dtype=dtype))
+            d = self.bases[site].d if site in self.bases else width
             if site in self.bases:  # the total S, and per group tr(Q_TᵀS_gQ_T), tr(S_g)
+                self.add_state(f"act/{site.hook_name}", lambda: Moments(dtype=dtype))
                 self.add_state(f"wgrad/{site.hook_name}", lambda d=d: Sum((d, d), dtype))
                 self.add_state(f"wgrad_energy/{site.hook_name}", lambda: Sum((self.n_groups, 2)))
             else:
                 for g in range(self.n_groups):
                     self.add_state(f"wgrad/{g}/{site.hook_name}", lambda d=d: Sum((d, d), dtype))
+                    self.add_state(f"act/{g}/{site.hook_name}", lambda: Moments(dtype=dtype))
             self.add_state(f"passes/{site.hook_name}", Sum)
 
     @property
@@ -196,7 +203,8 @@ class WeightGradientProbe(Probe):
 
     def update(self, obs: Observation) -> None:
         self._masks[obs.site] = (obs.mask, obs.group)  # the maps that read the site run next
-        self.state(f"act/{obs.site.hook_name}").add_batch(*obs.statistics())
+        group = "" if obs.site in self.bases else f"{obs.group % self.n_groups}/"
+        self.state(f"act/{group}{obs.site.hook_name}").add_batch(*obs.statistics())
 
     def group_matrices(self, site: Site) -> list[Tensor]:
         """S of each group of sequences at ``site``: kept at sites without a basis only
@@ -211,10 +219,24 @@ class WeightGradientProbe(Probe):
             for g in range(self.n_groups)
         ]
 
-    def group_energies(self, site: Site) -> Tensor:
-        """``(n_groups, 2)`` float64: tr(Q_TᵀS_gQ_T) and tr(S_g) of each group at ``site``
-        (a site with a basis)."""
-        return self.state(f"wgrad_energy/{site.hook_name}").value.to(torch.float64)
+    def group_energies(self, site: Site, basis: TangentBasis | None = None) -> Tensor:
+        """``(n_groups, 2)`` float64: tr(Q_TᵀS_gQ_T) and tr(S_g) of each group at ``site``,
+        against ``basis`` (a basis-free state) or the site's own."""
+        if site in self.bases:
+            return self.state(f"wgrad_energy/{site.hook_name}").value.to(torch.float64)
+        if basis is None:
+            raise UsageError(f"{site} was collected without a basis: pass one.")
+        return group_energies(self.group_matrices(site), basis)
+
+    def activation_moments(self, site: Site) -> Moments:
+        """The `Moments` of the activations the maps at ``site`` read."""
+        if site in self.bases:
+            return self.state(f"act/{site.hook_name}")
+        return Moments.merged(self.activation_groups(site))
+
+    def activation_groups(self, site: Site) -> list[Moments]:
+        """The activations' `Moments` per group (a basis-free state)."""
+        return [self.state(f"act/{g}/{site.hook_name}") for g in range(self.n_groups)]
 
     def matrices(self) -> dict[Site, Tensor]:
         """Site → S = Σ G Gᵀ (d × d, float64), summed over passes, maps and groups."""
@@ -225,24 +247,29 @@ class WeightGradientProbe(Probe):
             for s in self.sites
         }
 
-    def rows(self) -> list[dict[str, Any]]:
+    def compute(
+        self, bases: Mapping[Site, TangentBasis] | None = None, **context: Any
+    ) -> list[dict[str, Any]]:
+        """`matrix_tests` of each site's S against its basis, ``n_passes``, and jackknife
+        intervals of ``tangent_share`` and ``energy_ratio`` over the groups."""
+        bases = self.against(bases)
         out = []
-        tested = {site: s for site, s in self.matrices().items() if site in self.bases}
-        for site, s in sites_bar(tested.items(), self):
+        matrices = self.matrices()
+        for site, basis in sites_bar(bases.items(), self):
             passes = float(self.state(f"passes/{site.hook_name}").value)
             if passes == 0:
                 continue
-            acts = self.state(f"act/{site.hook_name}")
+            s, acts = matrices[site], self.activation_moments(site)
             values = matrix_tests(
                 s,
-                self.bases[site],
+                basis,
                 n_controls=self.n_controls,
                 seed=self.seed,
                 activation_moments=acts if acts.count else None,
             )
             values["n_passes"] = passes
-            basis = self.bases[site]
-            cis = energy_intervals(self.group_energies(site), tangent_share(s, basis), basis)
+            energies = self.group_energies(site, basis)
+            cis = energy_intervals(energies, tangent_share(s, basis), basis)
             out += [row(self.name, site, k, v, **ci_columns(cis.get(k))) for k, v in values.items()]
         return out
 
@@ -271,15 +298,6 @@ def weight_gram(x: Tensor, delta: Tensor) -> Tensor:
     scale = unit_scale(g)
     g32 = (g * scale).to(torch.float32)
     return (g32 @ g32.T).to(torch.float64) / scale.to(torch.float64) ** 2
-
-
-def group_energies(groups: list[Tensor], basis: TangentBasis) -> Tensor:
-    """``(len(groups), 2)`` float64: tr(Q_TᵀS_gQ_T) and tr(S_g) of each group's S_g."""
-    q = basis.basis_.to(torch.float64)
-    return torch.tensor(
-        [[float(((m.to(torch.float64) @ q) * q).sum()), float(torch.trace(m))] for m in groups],
-        dtype=torch.float64,
-    )
 
 
 def energy_intervals(

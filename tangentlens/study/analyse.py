@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -28,21 +27,17 @@ from ..analysis.embedding_geometry import frequency_distance, update_split
 from ..core import results
 from ..core.errors import UnstableBasisWarning
 from ..core.metrics import effective_rank, isoscore, participation_ratio, twonn_dimension
-from ..core.significance import matrix_tests, pooled_shape, reference_at, tangent_tests
+from ..core.significance import pooled_shape, reference_at
 from ..core.stats import Moments
 from ..core.subspace import (
     TangentBasis,
     near_chance,
-    shares,
     split_half_overlap,
     subspace_overlap,
-    tangent_share,
 )
-from ..core.uncertainty import tangent_intervals
 from ..hooks.sites import INPUT_KINDS, RESIDUAL_KINDS, WRITE_KINDS, Site
 from ..probes.bases import BasisSet
 from ..probes.residual import write_basis_site
-from ..probes.weight_gradient import matrix_intervals
 from ..version import __version__
 from .collect import Part
 from .config import StudyConfig
@@ -102,15 +97,30 @@ class _Rows:
                 )
             )
 
+    def extend(self, probe_rows: list[dict[str, Any]], *, rank: int) -> dict[Site, dict]:
+        """A probe's rows (`MomentProbe.compute`) at this checkpoint and ``rank``; returns
+        them as site → statistic → value, for the window summaries."""
+        checkpoint = None if self.step is None else f"step{self.step}"
+        where = {"checkpoint": checkpoint, "step": self.step, "window": self.window}
+        by_site: dict[Site, dict[str, float]] = {}
+        for r in probe_rows:
+            self.rows.append({**r, **where, "rank": rank})
+            by_site.setdefault(Site.parse(r["hook"]), {})[r["statistic"]] = r["value"]
+        return by_site
+
     def frame(self) -> pd.DataFrame:
         return results.frame(self.rows, results.COLUMNS)
 
 
 def _sites(part: Part) -> tuple[list[Site], list[Site], list[Site]]:
     """A part's residual sites (gradients too), block writes and linear-map inputs."""
-    sites = sorted(part.grads, key=lambda s: (s.layer, RESIDUAL_KINDS.index(s.kind)))
-    writes = sorted((s for s in part.acts if s.kind in WRITE_KINDS), key=lambda s: s.hook_name)
-    inputs = sorted(part.wgrad_groups, key=lambda s: (s.layer, INPUT_KINDS.index(s.kind)))
+    sites = sorted(part.gradient.sites, key=lambda s: (s.layer, RESIDUAL_KINDS.index(s.kind)))
+    writes = sorted(
+        (s for s in part.residual.sites if s.kind in WRITE_KINDS), key=lambda s: s.hook_name
+    )
+    inputs = sorted(
+        part.weight.sites if part.weight else [], key=lambda s: (s.layer, INPUT_KINDS.index(s.kind))
+    )
     return sites, writes, inputs
 
 
@@ -192,16 +202,8 @@ def _basis_rows(rows: _Rows, bases: dict[int, dict[Site, TangentBasis]]) -> None
         )
 
 
-def _site_rows(
-    rows: _Rows,
-    cfg: StudyConfig,
-    part: Part,
-    site: Site,
-    bases: dict[int, dict[Site, Any]],
-    shape: Tensor,
-    summary: WindowSummary,
-) -> None:
-    """Activation and gradient statistics at one residual site of one checkpoint."""
+def _free_rows(rows: _Rows, part: Part, site: Site) -> None:
+    """The basis-free activation and gradient statistics at one residual site."""
     act, grad = part.acts[site], part.grads[site]
     free = {}
     if site in part.samples:
@@ -225,37 +227,6 @@ def _site_rows(
         "n_tokens": grad.count,
     }
     rows.add("gradient", grad_free, site=site)
-    reference = reference_at(shape, grad)  # ΔIsoScore*'s, as the gradient probe's
-    act_groups = [m for m in part.act_groups[site] if m.count]
-    grad_groups = [m for m in part.grad_groups[site] if m.count]
-    for k in cfg.ranks:
-        basis = bases[k][site]
-        tests = tangent_tests(
-            grad,
-            basis,
-            n_controls=cfg.n_controls,
-            seed=cfg.seed,
-            zeta=cfg.zeta,
-            reference=reference,
-            activation_moments=act,
-        )
-        cis = act_cis = {}
-        if len(grad_groups) >= 2 and len(grad_groups) == len(act_groups):
-            cis = tangent_intervals(
-                grad_groups,
-                basis,
-                activation_groups=act_groups,
-                zeta=cfg.zeta,
-                reference=reference,
-            )
-            act_cis = tangent_intervals(act_groups, basis)
-        rows.add("gradient", tests, rank=k, site=site, cis=cis)
-        if len(grad_groups) >= 2:
-            summary.activation_gradient(
-                rows.window, k, grad_groups, basis, tests, cfg.zeta, reference
-            )
-        rows.add("residual", _share_stats(act, basis), rank=k, site=site, cis=act_cis)
-        _drift_row(rows, act, basis, k, site)
 
 
 def _drift_row(rows: _Rows, act: Moments, basis: TangentBasis, k: int, site: Site) -> None:
@@ -264,32 +235,44 @@ def _drift_row(rows: _Rows, act: Moments, basis: TangentBasis, k: int, site: Sit
     rows.add("basis", {"drift_overlap": subspace_overlap(basis, drift)}, rank=k, site=site)
 
 
-def _weight_rows(
+def _probe_rows(
     rows: _Rows,
     cfg: StudyConfig,
     part: Part,
-    site: Site,
-    bases: dict[int, dict[Site, Any]],
+    k: int,
+    bases: dict[Site, TangentBasis],
+    shapes: dict[Site, Tensor],
     summary: WindowSummary,
 ) -> None:
-    """The weight-gradient object at an input site (``attn_in``/``mlp_in``): S = Σ G Gᵀ of
-    the maps reading it, tested against Q_T fitted there, with jackknife intervals."""
-    groups = part.wgrad_groups[site]
-    total = sum(groups)
-    if float(torch.trace(total)) <= 0:
-        return
-    act = part.acts[site]
-    for k in cfg.ranks:
-        basis = bases[k][site]
-        tests = matrix_tests(
-            total, basis, n_controls=cfg.n_controls, seed=cfg.seed, activation_moments=act
-        )
-        rows.add("weight_gradient", tests, rank=k, site=site, cis=matrix_intervals(groups, basis))
-        summary.weight_gradient(
-            rows.window, k, groups, basis, tests["energy_ratio"],
-            part.act_groups.get(site), tests.get("normalized_ratio"),
-        )  # fmt: skip
-        _drift_row(rows, act, basis, k, site)
+    """The part's probes computed against the rank-``k`` bases (`MomentProbe.compute`, as
+    a probe session computes them), drift of each basis, and the window summaries' terms."""
+    n_layers = part.meta["n_layers"]
+    sites, writes, inputs = _sites(part)
+    tests = rows.extend(part.gradient.compute(bases, references=shapes), rank=k)
+    for site in sites:
+        if site in tests and len(part.grad_groups[site]) >= 2:
+            reference = reference_at(shapes[site], part.grads[site])
+            groups = [m for m in part.grad_groups[site] if m.count]
+            summary.activation_gradient(
+                rows.window, k, groups, bases[site], tests[site], cfg.zeta, reference
+            )
+    measured = {s: bases[s] for s in sites}
+    for write in writes:
+        target = write_basis_site(write, bases, n_layers)
+        if target is not None:
+            measured[write] = bases[target]
+    rows.extend(part.residual.compute(measured), rank=k)
+    if part.weight is not None:
+        matrices = rows.extend(part.weight.compute(bases), rank=k)
+        for site in matrices:
+            summary.weight_gradient(
+                rows.window, k, part.wgrad_groups[site], bases[site],
+                matrices[site]["energy_ratio"], part.act_groups.get(site),
+                matrices[site].get("normalized_ratio"),
+            )  # fmt: skip
+    for site in [*sites, *inputs]:
+        if part.acts[site].count:
+            _drift_row(rows, part.acts[site], bases[site], k, site)
 
 
 def _embedding_rows(
@@ -345,9 +328,9 @@ def analyse(
         first_with.setdefault(hashes[s], s)
     duplicates = {s: first_with[hashes[s]] for s in steps if first_with[hashes[s]] != s}
     first = parts[steps[0]]
-    n_layers, d = first.meta["n_layers"], first.meta["d_model"]
+    d = first.meta["d_model"]
     cfg.check_ranks(d)
-    sites, writes, inputs = _sites(first)
+    sites, writes, _ = _sites(first)
     shapes = {s: pooled_shape([parts[t].grads[s] for t in steps]) for s in sites}
     embed_site = Site(0, "resid_pre")
     embed_bases = {k: b[embed_site] for k, b in bases.items()} if embed_site in sites else None
@@ -365,15 +348,9 @@ def analyse(
         if step in duplicates:
             rows.add("checkpoint", {"duplicate_of": duplicates[step]})
         for site in sites:
-            _site_rows(rows, cfg, part, site, bases, shapes[site], summary)
-        for site in inputs:
-            _weight_rows(rows, cfg, part, site, bases, summary)
+            _free_rows(rows, part, site)
         for k in cfg.ranks:
-            for write in writes:
-                target = write_basis_site(write, bases[k], n_layers)
-                if target is not None:
-                    stats = _share_stats(part.acts[write], bases[k][target])
-                    rows.add("residual", stats, rank=k, site=write)
+            _probe_rows(rows, cfg, part, k, bases[k], shapes, summary)
         embed = part.embed.double()
         _embedding_rows(rows, cfg, embed, prev, counts_np, embed_bases)
         prev = embed
@@ -407,11 +384,6 @@ def analyse(
         },
     }
     return frame, info
-
-
-def _share_stats(moments: Moments, basis: TangentBasis) -> dict[str, float]:
-    """Activation energy share in Q_T, E‖x Q‖² / E‖x‖² (uncentred), against chance k/d."""
-    return shares(tangent_share(moments, basis), 1.0, basis.k, basis.d)
 
 
 def _versions() -> dict[str, str]:

@@ -6,9 +6,12 @@ finished checkpoints are never redone; with ``world_size=N`` each process takes 
 contiguous share of the probe batches and the statistics are all-reduced. It takes a
 loaded checkpoint (`collect_part`), so the caller can use the same load for the heads.
 
-A part's tensors are named ``{kind}/{group}/{hook}/{field}`` (``act``, ``grad``,
-``wgrad``; group ``all`` for the block writes), ``sample/{hook}``, ``sample_sequence``
-and ``embed``: hook names hold no ``/``, so a name splits into exactly its fields.
+A part holds the `state_dict` of each probe that collected it, built on its sites
+alone (`tangentlens.probes.base.MomentProbe`: basis-free), as ``{probe}/{key}``, the
+probes' sites in its metadata, and ``sample/{hook}``, ``sample_sequence`` and ``embed``.
+The analysis loads those states back into the same probes and computes their rows with
+their own `compute`, against the bases fitted from the early parts: a study's statistics
+are a probe session's, checkpoint by checkpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +40,17 @@ from ..core.files import (
 )
 from ..core.stats import Moments
 from ..data import corpus
-from ..hooks.base import get_backend
+from ..hooks.base import Backend, get_backend
 from ..hooks.families import is_causal
 from ..hooks.sites import INPUT_KINDS, WRITE_KINDS, Site
 from ..models.batches import check_tokens
 from ..models.loading import quiet_transformers
 from ..probes.activation import FixedSample
-from ..probes.base import Observation, Probe
+from ..probes.base import MomentProbe
 from ..probes.distributed import all_reduce_session, check_parent, shard
 from ..probes.driver import lm_loss, masked_positions, mlm_loss, run
+from ..probes.gradient import GradientProbe
+from ..probes.residual import ResidualProbe
 from ..probes.weight_gradient import WeightGradientProbe
 from .config import StudyConfig, open_series, threads
 
@@ -68,7 +73,7 @@ PROBE_FILE = "probe_set.safetensors"
 PART_KEY = "tangentlens_study_part"
 # how a part's tensors are named (module docstring); in the digest, so a part written
 # under another scheme is recomputed, never misread
-_PART_FORMAT = 2
+_PART_FORMAT = 3
 # the settings a probe set, and a part beyond its probe set, are functions of
 _PROBE_SET_KEYS = ("checkpoints", "corpus", "encoding", "max_chars", "seq_len", "probe_fraction")
 _PART_KEYS = ("backend", "sites", "writes", "n_groups", "batch_size", "reservoir", "seed")
@@ -213,49 +218,33 @@ def _study_sites(kinds: tuple[str, ...], n_layers: int) -> list[Site]:
     return sites
 
 
-class _GroupMoments(Probe):
-    """Activation and gradient `Moments` per group of sequences at the study's sites,
-    activation `Moments` per group at the inputs of linear maps (``attn_in``/``mlp_in``,
-    whose weight gradients `WeightGradientProbe` keeps) and, ungrouped, at the block
-    writes: the basis-free sufficient statistics of a part. Group ``g`` holds the batches
-    whose index is g mod G."""
-
-    name = "study_moments"
-
-    def __init__(
-        self, sites: list[Site], writes: list[Site], inputs: list[Site], n_groups: int
-    ) -> None:
-        super().__init__()
-        self.sites, self.writes, self.inputs, self.n_groups = sites, writes, inputs, n_groups
-        for site in sites + inputs:
-            for g in range(n_groups):
-                self.add_state(f"act/{g}/{site.hook_name}", Moments)
-        for site in sites:
-            for g in range(n_groups):
-                self.add_state(f"grad/{g}/{site.hook_name}", Moments)
-        for site in writes:
-            self.add_state(f"act/all/{site.hook_name}", Moments)
-
-    @property
-    def forward_sites(self) -> list[Site]:
-        return self.sites + self.inputs + self.writes
-
-    @property
-    def backward_sites(self) -> list[Site]:
-        return list(self.sites)
-
-    def _key(self, kind: str, obs: Observation) -> str:
-        group = "all" if obs.site in self.writes else obs.group % self.n_groups
-        return f"{kind}/{group}/{obs.site.hook_name}"
-
-    def update(self, obs: Observation) -> None:
-        self.state(self._key("act", obs)).add_batch(*obs.statistics())
-
-    def update_gradient(self, obs: Observation) -> None:
-        self.state(self._key("grad", obs)).add_batch(*obs.statistics())
-
-    def rows(self) -> list[dict[str, Any]]:
-        return []
+def _probes(
+    sites: list[Site],
+    writes: list[Site],
+    inputs: list[Site],
+    cfg: StudyConfig | None,
+    backend: Backend | None,
+    *,
+    n_groups: int | None = None,
+    d_model: int | None = None,
+) -> list[MomentProbe]:
+    """The probes a part holds, built on their sites alone (basis-free: Q_T is fitted from
+    the early parts later), with the study's options for `MomentProbe.compute`: the
+    gradient probe at the residual sites (the gradients' and activations' `Moments` per
+    group), the residual probe at the block writes, the weight-gradient probe at the
+    inputs of linear maps (S and the inputs' `Moments` per group). Without ``cfg``
+    (a part read on its own), the probes' default options and ``n_groups``."""
+    groups = cfg.n_groups if cfg is not None else n_groups
+    options: dict[str, Any] = {"n_groups": groups}
+    if cfg is not None:
+        options |= {"n_controls": cfg.n_controls, "seed": cfg.seed}
+    zeta = {"zeta": cfg.zeta} if cfg is not None else {}
+    probes: list[MomentProbe] = [GradientProbe(sites, **zeta, **options)]
+    if writes:
+        probes.append(ResidualProbe(writes, n_groups=groups))
+    if inputs:
+        probes.append(WeightGradientProbe(inputs, backend, d_model=d_model, **options))
+    return probes
 
 
 def load_checkpoint(cfg: StudyConfig, series: Any, i: int) -> Any:
@@ -301,10 +290,7 @@ def collect_part(
         for kind in INPUT_KINDS
         if cfg.weight_gradient and Site(layer, kind) in available
     ]
-    moments = _GroupMoments(sites, writes, inputs, cfg.n_groups)
-    probes: list[Probe] = [moments]
-    if inputs:  # S = Σ G Gᵀ per group is basis-free: Q_T is fitted from the parts later
-        probes.append(WeightGradientProbe(inputs, backend, n_groups=cfg.n_groups))
+    probes = _probes(sites, writes, inputs, cfg, backend)
 
     def feed() -> Iterator[Tensor]:
         for j, batch in mine:
@@ -342,10 +328,9 @@ def collect_part(
         dist.all_reduce(n_predicted)
     if rank != 0:
         return None
-    tensors = dict(session.probes[moments.name].state_dict())
-    if inputs:
-        weights = session.probes[WeightGradientProbe.name].state_dict()
-        tensors |= {k: t for k, t in weights.items() if k.startswith("wgrad/")}
+    tensors = {
+        f"{p.name}/{key}": t for p in session.probes.values() for key, t in p.state_dict().items()
+    }
     for site, buffer in sample.buffers.items():
         tensors[f"sample/{site.hook_name}"] = buffer
     tensors["sample_sequence"] = sample.seq.clone()
@@ -361,6 +346,7 @@ def collect_part(
         "n_layers": n_layers,
         "d_model": d,
         "n_groups": cfg.n_groups,
+        "probes": {p.name: [site.hook_name for site in p.sites] for p in probes},
         "seconds": time.perf_counter() - start,
         "world_size": world_size,
     }
@@ -411,23 +397,44 @@ def collect_worker(
 
 @dataclass
 class Part:
-    """One checkpoint's statistics: per site the activation and gradient `Moments` of
-    each group of sequences (``*_groups``) and their merge (``acts``, ``grads``; writes:
-    activations only), the TwoNN token sample with its sequence index, the embedding."""
+    """One checkpoint's statistics: the probes that collected them (``gradient`` at the
+    residual sites, ``weight`` at the inputs of linear maps or None), ``residual``: the
+    residual probe over the residual sites and the block writes (its state at the
+    residual sites is the gradient probe's activation `Moments`, collected once), the
+    TwoNN token sample with its sequence index, the embedding. ``acts``/``grads`` (merged)
+    and ``*_groups`` (per group of sequences) are views of those states."""
 
-    acts: dict[Site, Moments]
-    grads: dict[Site, Moments]
-    act_groups: dict[Site, list[Moments]]
-    grad_groups: dict[Site, list[Moments]]
-    wgrad_groups: dict[Site, list[Tensor]]
+    gradient: GradientProbe
+    residual: ResidualProbe
+    weight: WeightGradientProbe | None
     samples: dict[Site, Tensor]
     sample_sequence: Tensor | None
     embed: Tensor
     meta: dict[str, Any]
+    act_groups: dict[Site, list[Moments]] = field(init=False)
+    grad_groups: dict[Site, list[Moments]] = field(init=False)
+    acts: dict[Site, Moments] = field(init=False)
+    grads: dict[Site, Moments] = field(init=False)
+
+    def __post_init__(self) -> None:
+        sites, inputs = self.gradient.sites, self.weight.sites if self.weight else []
+        self.grad_groups = {s: self.gradient.group_moments(s) for s in sites}
+        self.act_groups = {s: self.gradient.group_moments(s, "act") for s in sites}
+        self.act_groups |= {s: self.weight.activation_groups(s) for s in inputs if self.weight}
+        writes = [s for s in self.residual.sites if s not in self.act_groups]
+        self.act_groups |= {s: self.residual.group_moments(s) for s in writes}
+        self.acts = {s: Moments.merged(g) for s, g in self.act_groups.items()}
+        self.grads = {s: Moments.merged(g) for s, g in self.grad_groups.items()}
+
+    @property
+    def wgrad_groups(self) -> dict[Site, list[Tensor]]:
+        """S = Σ G Gᵀ per group at each input site."""
+        return {s: self.weight.group_matrices(s) for s in self.weight.sites} if self.weight else {}
 
 
-def load_part(path: Path) -> Part:
-    """Read a part file; anything missing or malformed is a `CorruptFileError`."""
+def load_part(path: Path, cfg: StudyConfig | None = None) -> Part:
+    """Read a part file into its probes (with ``cfg``'s options for `compute`, else the
+    probes' defaults); anything missing or malformed is a `CorruptFileError`."""
     tensors, header = load_tensors(path, verified=True)
     if PART_KEY not in header:
         raise CorruptFileError(f"{path} is not a study part; delete it and rerun the study.")
@@ -439,63 +446,46 @@ def load_part(path: Path) -> Part:
         d = meta["d_model"]
         if f"step{meta['step']}.safetensors" != path.name:
             raise ValueError(f"it holds step {meta['step']}")
-        states: dict[tuple[str, str, Site], dict[str, Tensor]] = {}
+        n_groups = meta["n_groups"]
+        if cfg is not None and n_groups != cfg.n_groups:
+            raise ValueError(f"{n_groups} groups where the study has {cfg.n_groups}")
+        sites = {name: [Site.parse(h) for h in hooks] for name, hooks in meta["probes"].items()}
+        gradient = GradientProbe.name
+        writes = sites.get(ResidualProbe.name, [])
+        inputs = sites.get(WeightGradientProbe.name, [])
+        probes = _probes(sites[gradient], writes, inputs, cfg, None, n_groups=n_groups, d_model=d)
+        state: dict[str, dict[str, Tensor]] = {p.name: {} for p in probes}
         samples = {}
-        wgrad: dict[tuple[int, Site], Tensor] = {}
         for name, t in tensors.items():
-            match name.split("/"):
-                case ["act" | "grad" as kind, group, hook, field]:
-                    states.setdefault((kind, group, Site.parse(hook)), {})[field] = t
-                case ["wgrad", group, hook, "sum"]:
-                    wgrad[int(group), Site.parse(hook)] = t.double()
+            match name.split("/", 1):
+                case [probe, key] if probe in state:
+                    state[probe][key] = t
                 case ["sample", hook]:
                     samples[Site.parse(hook)] = t
                 case ["embed"] | ["sample_sequence"]:
                     pass
                 case _:
                     raise ValueError(f"an unknown tensor {name!r}")
-        moments = {key: Moments().load_state_dict(st) for key, st in states.items()}
-        n_groups = meta["n_groups"]
+        for probe in probes:
+            probe.load_state_dict(state[probe.name])
+        # the residual sites' activations are the gradient probe's: one state, read twice
+        residual = ResidualProbe(sites[gradient] + writes, n_groups=n_groups)
+        shared = {k: t for k, t in state[gradient].items() if k.startswith("act/")}
+        residual.load_state_dict(shared | state.get(ResidualProbe.name, {}))
         embed = tensors["embed"]
         for name in ("embed", *(f"sample/{s.hook_name}" for s in samples)):
             if tensors[name].is_floating_point() and not bool(torch.isfinite(tensors[name]).all()):
                 raise ValueError(f"{name} holds NaN or Inf: the file is damaged")
-        widths = [m.d for m in moments.values() if m.count]
+        weight = probes[-1] if inputs else None
+        sequence = tensors.get("sample_sequence")
+        part = Part(probes[0], residual, weight, samples, sequence, embed, meta)  # type: ignore[arg-type]
+        widths = [m.d for m in [*part.acts.values(), *part.grads.values()] if m.count]
         widths += [t.shape[-1] for t in [*samples.values(), embed]]
+        widths += [t.shape[-1] for g in part.wgrad_groups.values() for t in g]
         if embed.ndim != 2 or any(n != d for n in widths):
             raise ValueError(f"statistics of another width than d_model={d}")
-        act_groups: dict[Site, list[Moments]] = {}
-        grad_groups: dict[Site, list[Moments]] = {}
-        writes: dict[Site, Moments] = {}
-        for (kind, group, site), m in moments.items():
-            if group == "all":
-                writes[site] = m
-                continue
-            if not 0 <= int(group) < n_groups:
-                raise IndexError(f"group {group} of {n_groups}")
-            target = act_groups if kind == "act" else grad_groups
-            target.setdefault(site, [Moments() for _ in range(n_groups)])[int(group)] = m
-        acts = {s: Moments.merged(g) for s, g in act_groups.items()} | writes
-        grads = {s: Moments.merged(g) for s, g in grad_groups.items()}
-        wgrad_groups: dict[Site, list[Tensor]] = {}
-        for (group, site), t in sorted(wgrad.items(), key=lambda kv: kv[0][0]):
-            if not 0 <= group < n_groups or tuple(t.shape) != (d, d):
-                raise ValueError(f"a weight-gradient matrix of group {group}, {tuple(t.shape)}")
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError("a weight-gradient matrix holds NaN or Inf")
-            wgrad_groups.setdefault(site, []).append(t)
-        return Part(
-            acts,
-            grads,
-            act_groups,
-            grad_groups,
-            wgrad_groups,
-            samples,
-            tensors.get("sample_sequence"),
-            embed,
-            meta,
-        )
-    except (KeyError, ValueError, TypeError, IndexError) as err:
+        return part
+    except (KeyError, ValueError, TypeError, IndexError, CorruptFileError, UsageError) as err:
         raise CorruptFileError(
             f"{path} is a damaged study part ({type(err).__name__}: {err}); delete it and "
             "rerun the study (finished checkpoints are kept)."

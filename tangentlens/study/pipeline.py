@@ -15,13 +15,13 @@
    ``manifest.json``; `Study.run` returns the table it wrote (and keeps the manifest in
    `Study.manifest`), so nothing is read back.
 
-Loads: a checkpoint is loaded (and hashed) once per run, except the early window's
-checkpoints whose part is collected before the last early one's: the probe pass needs
-Q_T, which needs every early part, so those are loaded again for it (holding their
-models until then would cost a model's memory each). A resumed run loads each
-checkpoint once, for the probe pass only; with the pass off (``head_sequences=0`` or no
-probes), a resumed run loads none, and where no chosen probe reads a site with the
-study's bases (the attention probe with ``weight_gradient=False``), one.
+Loads: a checkpoint is loaded (and hashed) once per run. The early window's models wait
+in memory until Q_T exists (the probe pass needs it, and it needs every early part), so
+the early window costs a model's memory per checkpoint while it is collected. A resumed
+run loads each checkpoint once, for the probe pass only; with the pass off
+(``head_sequences=0`` or no probes), a resumed run loads none, and where no chosen probe
+reads a site with the study's bases (the attention probe with ``weight_gradient=False``),
+one.
 With ``world_size > 1`` the worker processes collect and this process loads each
 checkpoint once more for the probe pass (which is why a probe registered in this process
 alone is enough).
@@ -190,7 +190,10 @@ class Study:
         bases: dict[int, Any] = {}
         probed: dict[int, pd.DataFrame] = {}
         probe_pass: ProbePass | None = None
-        waiting: list[int] = []  # early checkpoints whose probe pass waits for the bases
+        wanted = bool(cfg.probes) and cfg.head_sequences > 0
+        # early checkpoints whose probe pass waits for Q_T, with their model when this run
+        # loaded it (held until then, so that no checkpoint is loaded twice)
+        waiting: list[tuple[int, Any]] = []
         bar = tqdm(order, desc="study: checkpoints", disable=not progress)
         for n, i in enumerate(bar):
             step = series[i].step
@@ -199,21 +202,19 @@ class Study:
             if i in todo:
                 loaded = load_checkpoint(cfg, series, i)
                 save_part(out, collect_part(cfg, loaded, tokens, 0, 1))
-            parts[step] = load_part(part_path(out, step))
-            waiting.append(i)
+            parts[step] = load_part(part_path(out, step), cfg)
+            waiting.append((i, loaded if wanted else None))
+            loaded = None
             if n == len(early) - 1:  # every early part exists: fit Q_T
                 bases = fit_bases(cfg, series, windows, parts, out)
                 probe_pass = ProbePass(cfg, bases, tokens)
             if probe_pass is None:
                 continue
-            if probe_pass.enabled:
-                if loaded is None:  # a resumed part: loaded for its probe pass only
-                    loaded = load_checkpoint(cfg, series, i)
-                probed[i] = probe_pass.rows(loaded, label[i])
-                loaded = None
-                for j in waiting[:-1]:  # collected before the bases existed: again
-                    if probe_pass.enabled:  # off once no probe reads a site
-                        probed[j] = probe_pass.rows(load_checkpoint(cfg, series, j), label[j])
+            for j, model in waiting:
+                if probe_pass.enabled:  # off once no probe reads a site
+                    # a resumed part: loaded for its probe pass only
+                    model = model if model is not None else load_checkpoint(cfg, series, j)
+                    probed[j] = probe_pass.rows(model, label[j])
             waiting = []
         return parts, bases, probed
 
