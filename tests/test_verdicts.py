@@ -16,10 +16,10 @@ from tangentlens import report
 from tangentlens.core import results
 from tangentlens.core.significance import matrix_tests
 from tangentlens.core.stats import Moments
-from tangentlens.core.subspace import TangentBasis
+from tangentlens.core.subspace import TangentBasis, subspace_overlap
 from tangentlens.report.panel import object_rows, window_mean, windows_by
 from tangentlens.report.replication import holm, t_interval
-from tangentlens.study.windows import WindowSummary
+from tangentlens.study.windows import WindowSummary, refit_bases
 
 KEYS = ("checkpoint", "step", "window", "rank")
 HOOK = "blocks.0.hook_resid_pre"
@@ -176,10 +176,11 @@ def _null_seed(seed: int, n_checkpoints: int = 6, d: int = 16, k: int = 2) -> pd
             mats.append(s)
         if basis is None:  # Q_T from the first (early) checkpoint's activations
             basis = TangentBasis.fit(Moments.merged(acts), k)
+            refits = refit_bases([acts], k)  # and without each group, as a study fits it
         total = Moments.merged(acts)
         tests = matrix_tests(sum(mats), basis, n_controls=20, seed=0, activation_moments=total)
         summary.weight_gradient(window, k, mats, basis, tests["energy_ratio"], acts,
-                                tests["normalized_ratio"])  # fmt: skip
+                                tests["normalized_ratio"], refits)  # fmt: skip
         for stat in ("energy_ratio", "normalized_ratio"):
             rows.append({"probe": "weight_gradient", "hook": "blocks.0.ln1.hook_out",
                          "site": "attn_in", "layer": 0, "rank": k, "step": 10 * i,
@@ -291,3 +292,45 @@ def test_results_doc_shows_each_claim_with_its_seeds_and_version(tmp_path) -> No
     committed = Path(__file__).resolve().parents[1] / "docs" / "RESULTS.md"
     first = committed.read_text(encoding="utf-8").splitlines()[0]
     assert results_doc.COMMAND in first
+
+
+def test_refit_bases_leave_each_group_out_of_the_early_pool() -> None:
+    """Q_T without group g, by removal from the pool, spans what a fit on the other
+    groups' merge spans (to rounding)."""
+    gen = torch.Generator().manual_seed(3)
+    scales = torch.logspace(0, -1, 12, dtype=torch.float64)
+    early = [
+        [Moments().update(torch.randn(40, 12, generator=gen, dtype=torch.float64) * scales)
+         for _ in range(4)]
+        for _ in range(2)
+    ]  # fmt: skip
+    refits = refit_bases(early, 3)
+    assert refits is not None and len(refits) == 4
+    for g, basis in enumerate(refits):
+        rest = Moments.merged([m for groups in early for i, m in enumerate(groups) if i != g])
+        assert subspace_overlap(basis, TangentBasis.fit(rest, 3)) == pytest.approx(1, abs=1e-9)
+    early[0][2], early[1][2] = Moments(), Moments()
+    assert refit_bases(early, 3) is None  # a group with no vectors: nothing to leave out
+
+
+def test_window_intervals_carry_the_basis_noise_when_q_t_is_refitted() -> None:
+    """Nearly isotropic activations make Q_T mostly sampling noise: leaving a group out
+    of its fit too moves each leave-one-out value more than the gradients alone do, so
+    the window interval is wider than with Q_T held fixed."""
+    gen = torch.Generator().manual_seed(0)
+    d, k = 16, 2
+    scales = torch.linspace(1.0, 0.9, d, dtype=torch.float64)
+    acts = [Moments().update(torch.randn(30, d, generator=gen, dtype=torch.float64) * scales)
+            for _ in range(6)]  # fmt: skip
+    grads = [Moments().update(torch.randn(30, d, generator=gen, dtype=torch.float64) * scales)
+             for _ in range(6)]  # fmt: skip
+    basis = TangentBasis.fit(Moments.merged(acts), k)
+    refits = refit_bases([acts], k)
+    tests = {"energy_ratio": 1.0}
+    widths = []
+    for loo in (None, refits):
+        summary = WindowSummary()
+        summary.activation_gradient("early", k, grads, basis, tests, 0.0, None, loo)
+        (record,) = [r for r in summary.values() if r["statistic"] == "gradient_energy_ratio"]
+        widths.append(record["ci_high"] - record["ci_low"])
+    assert widths[1] > 1.5 * widths[0]

@@ -41,7 +41,7 @@ from ..probes.residual import write_basis_site
 from ..version import __version__
 from .collect import Part
 from .config import StudyConfig
-from .windows import WindowSummary
+from .windows import WindowSummary, refit_bases
 
 __all__ = ["analyse", "fit_bases"]
 
@@ -243,6 +243,7 @@ def _probe_rows(
     bases: dict[Site, TangentBasis],
     shapes: dict[Site, Tensor],
     summary: WindowSummary,
+    refits: dict[Site, list[TangentBasis] | None],
 ) -> None:
     """The part's probes computed against the rank-``k`` bases (`MomentProbe.compute`, as
     a probe session computes them), drift of each basis, and the window summaries' terms."""
@@ -252,10 +253,11 @@ def _probe_rows(
     for site in sites:
         if site in tests and len(part.grad_groups[site]) >= 2:
             reference = reference_at(shapes[site], part.grads[site])
-            groups = [m for m in part.grad_groups[site] if m.count]
+            groups = part.grad_groups[site]
             summary.activation_gradient(
-                rows.window, k, groups, bases[site], tests[site], cfg.zeta, reference
-            )
+                rows.window, k, groups, bases[site], tests[site], cfg.zeta, reference,
+                refits[site],
+            )  # fmt: skip
     measured = {s: bases[s] for s in sites}
     for write in writes:
         target = write_basis_site(write, bases, n_layers)
@@ -268,7 +270,7 @@ def _probe_rows(
             summary.weight_gradient(
                 rows.window, k, part.wgrad_groups[site], bases[site],
                 matrices[site]["energy_ratio"], part.act_groups.get(site),
-                matrices[site].get("normalized_ratio"),
+                matrices[site].get("normalized_ratio"), refits[site],
             )  # fmt: skip
     for site in [*sites, *inputs]:
         if part.acts[site].count:
@@ -337,6 +339,11 @@ def analyse(
 
     rows = _Rows()
     summary = WindowSummary()
+    early = [steps[i] for i in windows["early"]]
+    refits = {
+        k: {s: refit_bases([parts[t].act_groups[s] for t in early], k) for s in by_site}
+        for k, by_site in bases.items()
+    }
     _basis_rows(rows.at(None, "early"), bases)
     counts_np = counts.numpy()
     prev: Tensor | None = None
@@ -350,7 +357,7 @@ def analyse(
         for site in sites:
             _free_rows(rows, part, site)
         for k in cfg.ranks:
-            _probe_rows(rows, cfg, part, k, bases[k], shapes, summary)
+            _probe_rows(rows, cfg, part, k, bases[k], shapes, summary, refits[k])
         embed = part.embed.double()
         _embedding_rows(rows, cfg, embed, prev, counts_np, embed_bases)
         prev = embed

@@ -11,7 +11,9 @@ weight-gradient energy ratio far above 1). Each comes with a delete-a-group jack
 interval: the groups of probe batches are the same at every checkpoint, so leaving group g
 out of every row gives one leave-one-out value of the window mean. For the normalised
 ratio, leaving g out drops it from both sums, S = Σ G Gᵀ and the activations' second
-moment, since both are kept per group of the same sequences.
+moment, since both are kept per group of the same sequences. Q_T itself is fitted on those
+sequences' early activations, so each leave-one-group-out value uses Q_T refitted without
+that group (`refit_bases`): the interval covers the basis's sampling noise too.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..core.stats import Moments
 from ..core.subspace import TangentBasis, tangent_share
 from ..core.uncertainty import jackknife_interval
 
-__all__ = ["WindowSummary"]
+__all__ = ["WindowSummary", "refit_bases"]
 
 
 @dataclass
@@ -66,18 +68,23 @@ class WindowSummary:
         tests: dict[str, float],
         zeta: float,
         reference: Tensor,
+        refits: list[TangentBasis] | None = None,
     ) -> None:
-        """One residual site at one checkpoint (``groups``: its gradient Moments per group)."""
-        if window not in ("early", "late") or len(groups) < 2:
+        """One residual site at one checkpoint (``groups``: its gradient Moments per group;
+        ``refits``: Q_T refitted without each group, see `refit_bases`)."""
+        seen = [g for g, m in enumerate(groups) if m.count]  # the same at every row
+        if window not in ("early", "late") or len(seen) < 2:
             return
         total = Moments.merged(groups)
-        rest = [total - m for m in groups]
-        ratio = [energy_ratio(tangent_share(m, basis), basis.k, basis.d) for m in rest]
+        rest = {g: total - groups[g] for g in seen}
+        loo = {g: refits[g] if refits else basis for g in seen}
+        ratio = [energy_ratio(tangent_share(rest[g], loo[g]), basis.k, basis.d) for g in seen]
         self._series["gradient_energy_ratio", rank, window].add(tests["energy_ratio"], ratio)
         if "delta_iso_normal" in tests:
             normal = tests["delta_iso_normal"]  # the controls' mean: held fixed
             iso = [
-                delta_iso_tangent(m, basis, zeta=zeta, reference=reference) - normal for m in rest
+                delta_iso_tangent(rest[g], loo[g], zeta=zeta, reference=reference) - normal
+                for g in seen
             ]
             excess = tests["delta_iso_tangent"] - normal
             self._series["gradient_delta_iso_excess", rank, window].add(excess, iso)
@@ -91,17 +98,20 @@ class WindowSummary:
         ratio: float,
         act_groups: list[Moments] | None = None,
         normalized: float | None = None,
+        refits: list[TangentBasis] | None = None,
     ) -> None:
         """One input site at one checkpoint (``groups``: its S = Σ G Gᵀ per group;
         ``act_groups``: the site's activation Moments per group, the same groups, and
-        ``normalized`` the row's ``normalized_ratio``, for that ratio's interval)."""
+        ``normalized`` the row's ``normalized_ratio``, for that ratio's interval;
+        ``refits``: Q_T refitted without each group)."""
         if window not in ("early", "late"):
             return
         seen = [g for g, m in enumerate(groups) if float(torch.trace(m)) > 0]  # same every row
         if len(seen) < 2:
             return
         total = sum(groups[g] for g in seen)
-        ratios = [energy_ratio(tangent_share(total - groups[g], basis), basis.k, basis.d)
+        without = {g: refits[g] if refits else basis for g in seen}
+        ratios = [energy_ratio(tangent_share(total - groups[g], without[g]), basis.k, basis.d)
                   for g in seen]  # fmt: skip
         self._series["weight_gradient_energy_ratio", rank, window].add(ratio, ratios)
         if normalized is None or act_groups is None or len(act_groups) != len(groups):
@@ -112,7 +122,7 @@ class WindowSummary:
             rest = acts - act_groups[g]
             if rest.count < 1:
                 return
-            act_ratio = energy_ratio(tangent_share(rest, basis), basis.k, basis.d)
+            act_ratio = energy_ratio(tangent_share(rest, without[g]), basis.k, basis.d)
             loo.append(r / act_ratio if act_ratio > 0 else math.nan)
         self._series["weight_gradient_normalized_ratio", rank, window].add(normalized, loo)
 
@@ -135,6 +145,25 @@ class WindowSummary:
             low, high = jackknife_interval(loo, diff)
             out.append(_record(f"{stat}_late_minus_early", rank, "late-early", diff, low, high))
         return out
+
+
+def refit_bases(
+    early: list[list[Moments]], rank: int, provenance: dict[str, Any] | None = None
+) -> list[TangentBasis] | None:
+    """Q_T fitted as the study fits it, from the pooled early-window activations, once
+    without each group of sequences: ``early[t][g]`` is group g's `Moments` at early
+    checkpoint t. A leave-one-group-out value computed with the refit of its own group
+    carries Q_T's sampling noise (the basis is fitted on the same probe sequences it is
+    tested on) into the jackknife interval. None when a group saw no vectors."""
+    n_groups = len(early[0])
+    pooled = Moments.merged([m for groups in early for m in groups])
+    out = []
+    for g in range(n_groups):
+        without = Moments.merged([groups[g] for groups in early])
+        if without.count == 0 or pooled.count - without.count < 2:
+            return None
+        out.append(TangentBasis.fit(pooled - without, rank, provenance=provenance))
+    return out
 
 
 def _record(stat: str, rank: int, window: str, value: float, low: float, high: float) -> dict:
