@@ -78,9 +78,37 @@ _AMPLIFICATION_COLUMNS = (
 
 
 class DepthProfile:
-    """Per-layer tangent bias and its amplification from ``session.results()`` (or any
-    table with the columns ``probe, site, layer, statistic, value``; ``ci_low`` /
-    ``ci_high`` where there are intervals)."""
+    """Where along the layers the tangent bias appears, and where it grows.
+
+    A bias in one layer says little on its own; the profile puts every layer's ratio to
+    chance beside the previous layer's, with intervals, so an onset is read from the
+    depth at which the bias sets in and stays, not from a single layer's number.
+
+    Args:
+        results: ``session.results()`` or any table with the columns ``probe, site,
+            layer, statistic, value`` (``ci_low`` / ``ci_high`` where there are
+            intervals), one row per statistic and layer.
+        site: The residual site: ``resid_pre``, ``resid_mid`` or ``resid_post``.
+        threshold: The ratio from which a layer counts as biased.
+        alpha: The p-value at or below which a layer's gradient test counts.
+
+    Returns:
+        The profile: `to_frame` (per-layer table), `amplification` (per-layer growth
+        with intervals), `onset_layer`, `amplification_onset` and `plot`.
+
+    Raises:
+        UsageError: Missing columns, several rows per layer (filter to one checkpoint
+            first), no residual or gradient ratio at ``site``, or an invalid ``site``,
+            ``threshold`` or ``alpha``.
+
+    Example:
+        With ``table`` from ``tangentlens.run(model, texts, bases).results()``:
+
+        >>> profile = tangentlens.DepthProfile(table)
+        >>> list(profile.to_frame().columns[:3])
+        ['tangent_share', 'chance_share', 'share_ratio']
+        >>> fig = profile.plot()
+    """
 
     def __init__(
         self,
