@@ -91,9 +91,9 @@ def _checkpoint_rows(t: pd.DataFrame) -> list[SummaryRow]:
     note = "one checkpoint, no training window: concentration tested at this checkpoint"
     out: list[SummaryRow] = []
     for probe, statistic, what in (
-        ("gradient", "energy_ratio", "Energy ratio (activation gradient)"),
+        ("gradient", "energy_ratio", "Activation-gradient energy ratio"),
         ("weight_gradient", "normalized_ratio",
-         "Energy ratio over the random-backprop null (weight gradient)"),
+         "Weight-gradient energy ratio over the random-backprop null"),
     ):  # fmt: skip
         rows = pick(at, statistic, probe=probe)
         rows = rows[rows["probe"] == probe].dropna(subset=["site", "layer"])
