@@ -865,7 +865,7 @@ def test_report_out_is_a_file_and_its_own_report_is_rewritten(
 ) -> None:
     target = tmp_path / "pages" / "x.txt"
     assert main(["report", str(world / "study"), "--out", str(target)]) == 0
-    assert target.is_file() and (tmp_path / "pages" / "figures").is_dir()
+    assert target.is_file() and (tmp_path / "pages" / "x_files").is_dir()
     assert main(["report", str(world / "study"), "--out", str(target)]) == 0  # its own: rewritten
     assert "report:" in capsys.readouterr().out
 

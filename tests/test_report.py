@@ -3,6 +3,7 @@ and its rendering in headless Chromium."""
 
 from __future__ import annotations
 
+import html
 import re
 import shutil
 import subprocess
@@ -11,12 +12,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
 from tangentlens import report
 from tangentlens.core import results
 from tangentlens.core.errors import CorruptFileError
 from tangentlens.hooks.sites import Site
+from tangentlens.report.claims import VERDICTS
+from tangentlens.report.scope import describe_steps
 
 STUDY_COLUMNS = list(results.COLUMNS)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -63,7 +67,41 @@ def synthetic_results(
                 add("embedding", "embed", 0, f"{kind}_{name}", v, rank=pd.NA)
         add("checkpoint", pd.NA, pd.NA, "probe_loss", 6 - 0.3 * i, rank=pd.NA)
     table = pd.DataFrame(rows).reindex(columns=STUDY_COLUMNS)
+    # intervals where the probes give them: ±10 % (and a little) around the value
+    ci = table["statistic"].isin(INTERVALS) | table["statistic"].str.startswith("pearson_")
+    ci &= ~table["statistic"].str.contains("null|p_value")
+    half = 0.1 * table["value"].abs() + 0.01
+    table.loc[ci, "ci_low"] = table.loc[ci, "value"] - half[ci]
+    table.loc[ci, "ci_high"] = table.loc[ci, "value"] + half[ci]
     return table.astype({"rank": "Int64", "layer": "Int64", "head": "Int64"})
+
+
+INTERVALS = ("tangent_share", "share_ratio", "energy_ratio", "delta_iso_tangent")
+
+
+def with_windows(table: pd.DataFrame) -> pd.DataFrame:
+    """The study's window rows (`tangentlens.study.windows`) of a synthetic table: each
+    window's mean over every site and checkpoint of the activation gradient, an interval
+    around it, and late − early."""
+    grad = table[(table["probe"] == "gradient")]
+    ratio = grad[grad["statistic"] == "energy_ratio"]
+    keys = ["step", "window", "site", "layer"]
+    iso = grad[grad["statistic"] == "delta_iso_tangent"].merge(
+        grad[grad["statistic"] == "delta_iso_normal"][[*keys, "value"]], on=keys
+    )
+    iso = iso.assign(value=iso["value_x"] - iso["value_y"])
+    rows = []
+    for name, rows_of in (("gradient_energy_ratio", ratio), ("gradient_delta_iso_excess", iso)):
+        means = {w: float(rows_of.loc[rows_of["window"] == w, "value"].mean())
+                 for w in ("early", "late")}  # fmt: skip
+        for window, stat, v in [("early", name, means["early"]), ("late", name, means["late"]),
+                                ("late-early", f"{name}_late_minus_early",
+                                 means["late"] - means["early"])]:  # fmt: skip
+            rows.append({"probe": "window", "window": window, "rank": 4, "statistic": stat,
+                         "value": v, "ci_low": v - 0.05, "ci_high": v + 0.05})  # fmt: skip
+    windows = pd.DataFrame(rows).reindex(columns=STUDY_COLUMNS)
+    both = pd.concat([table, windows], ignore_index=True)
+    return results.frame(both, ("checkpoint", "step", "window", "rank"))
 
 
 def one_checkpoint(table: pd.DataFrame) -> pd.DataFrame:
@@ -112,27 +150,50 @@ def test_rank_sweep_plots_the_smallest_rank() -> None:
     assert claims == report.summary(table)
 
 
-def test_summary_puts_the_paper_next_to_measured_numbers() -> None:
-    claims = {c.quantity: c for c in report.summary(synthetic_results())}
-    early = claims["Gradient energy ratio, early window (mean over layers)"]
-    late = claims["Gradient energy ratio, late window"]
-    assert early.paper == report.PAPER["energy_early"] and early.agrees == "yes"
-    assert late.agrees == "yes"  # planted: weaker late
-    iso = claims["ΔIsoScore*: remove Q_T vs a normal control (mean)"]
-    assert iso.agrees == "yes" and iso.measured.startswith("+0.0")
-    freq = claims["Frequency vs distance, Pearson r (last step)"]
-    assert freq.agrees == "partly"  # strongly negative for the weighted centre only
-    text = report.format_summary(list(claims.values()))
-    assert "paper:" in text and "× controls" in text
+def _one_checkpoint_with(low: list[float], high: list[float]) -> pd.DataFrame:
+    """A probe-shaped table whose gradient energy ratio at each layer has the interval
+    [low[l], high[l]] (its value in the middle)."""
+    table = one_checkpoint(synthetic_results())
+    table["ci_low"], table["ci_high"] = np.nan, np.nan
+    for layer, (lo, hi) in enumerate(zip(low, high, strict=True)):
+        at = (table["statistic"] == "energy_ratio") & (table["layer"] == layer)
+        table.loc[at, ["value", "ci_low", "ci_high"]] = [(lo + hi) / 2, lo, hi]
+    return table
 
 
-def test_summary_reports_disagreement_honestly() -> None:
-    table = synthetic_results()
-    ratio = table["statistic"] == "energy_ratio"
-    table.loc[ratio, "value"] = np.where(table.loc[ratio, "window"] == "late", 3.0, 0.9)
-    claims = {c.quantity: c for c in report.summary(table)}
-    assert claims["Gradient energy ratio, early window (mean over layers)"].agrees == "no"
-    assert claims["Gradient energy ratio, late window"].agrees == "no"
+@pytest.mark.parametrize(
+    ("low", "high", "verdict"),
+    [
+        ([2.5, 3.0, 2.2], [4.0, 5.0, 3.0], "suggests agrees"),  # every site above τ = 2
+        ([0.5, 0.6, 0.4], [1.5, 1.9, 1.0], "suggests disagrees"),  # every site below τ
+        ([2.5, 1.0, 2.2], [4.0, 5.0, 3.0], "inconclusive"),  # one crosses τ
+    ],
+)
+def test_one_checkpoint_decides_from_each_sites_interval(
+    low: list[float], high: list[float], verdict: str
+) -> None:
+    """A probe's page (one checkpoint, no window) reads each site's interval against the
+    claim's line, in the study's vocabulary: one model's token intervals only suggest,
+    and only where every site agrees; it never says "last checkpoint" for one model."""
+    rows = report.summary(_one_checkpoint_with(low, high))
+    energy = next(r for r in rows if r.paper.startswith(report.PAPER["energy_early"]))
+    assert energy.agrees == verdict
+    assert "this checkpoint" in energy.quantity and "τ = 2" in energy.quantity
+    assert energy.scope == "each of 3 sites: resid_pre at layers 0–2; this checkpoint"
+    assert f"[{low[1]:.3g}, {high[1]:.3g}]" in energy.measured
+    assert {r.agrees for r in rows} <= {*VERDICTS, "—"}
+    text = report.format_summary(rows)
+    assert "[verdict: yes]" not in text and "[verdict: no]" not in text
+    assert "last checkpoint" not in text
+
+
+def test_without_intervals_nothing_is_decided() -> None:
+    """A table whose rows carry no interval (too few groups of sequences) decides nothing."""
+    table = one_checkpoint(synthetic_results())
+    table["ci_low"], table["ci_high"] = np.nan, np.nan
+    rows = [r for r in report.summary(table) if r.paper != "—"]
+    assert rows and {r.agrees for r in rows} == {"inconclusive"}
+    assert all("no interval" in r.measured for r in rows)
 
 
 def _check_html(page: Path, n_figures: int) -> str:
@@ -148,17 +209,70 @@ def _check_html(page: Path, n_figures: int) -> str:
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One report from the synthetic table (rendering is the slow part; shared)."""
+    """One report from the synthetic study (rendering is the slow part; shared)."""
+    manifest = {"tangentlens_version": "0.1.0", "weights": {"0": "ab12"}, "config": {"rank": 4},
+                "timings": {"checkpoint_s": {"10": 0.5, "2": 0.25}}}  # fmt: skip
     return report.write_report(
-        synthetic_results(), tmp_path_factory.mktemp("report") / "report.html",
-        config={"rank": 4}, manifest={"tangentlens_version": "0.1.0", "weights": {"0": "ab12"}},
+        with_windows(synthetic_results()), tmp_path_factory.mktemp("report") / "report.html",
+        manifest=manifest,
     )  # fmt: skip
+
+
+def test_configuration_and_provenance_are_tables_shown_once(written: Path) -> None:
+    """Settings as HTML tables (no JSON dump), the configuration once (not again inside the
+    provenance) and step-numbered keys in number order."""
+    text = written.read_text(encoding="utf-8")
+    config, provenance = text.split("<h2>Configuration</h2>")[1].split("<h2>Provenance</h2>")
+    assert config.count("<th>rank</th><td>4</td>") == 1 and "<th>rank</th>" not in provenance
+    assert '<table class="kv">' in provenance and "<pre>" not in text
+    assert provenance.index("<th>2</th>") < provenance.index("<th>10</th>")
+
+
+def test_each_verdict_and_caption_names_what_it_averages(written: Path) -> None:
+    """One number per name: each verdict says which sites and window it averages, the
+    figures over training quote the very window means the verdicts read, over the same
+    sites, and the page shows both."""
+    table = with_windows(synthetic_results())
+    claims = {c.name: c for c in report.paper_claims({"decoder": table})}
+    readings = {f.name: f.reading for f in report.render_figures(table)}
+    ratio = table[(table["probe"] == "gradient") & (table["statistic"] == "energy_ratio")]
+    spans = {w: describe_steps(ratio.loc[ratio["window"] == w, "step"]) for w in ("early", "late")}
+    sites = "3 sites: resid_pre at layers 0–2"
+    early, late, iso = claims["energy_early"], claims["energy_late"], claims["isotropy"]
+    assert early.scope == f"mean over {sites}; early window {spans['early']}"
+    assert late.scope == f"{early.scope}; late window {spans['late']}"
+    energy = readings["energy_over_training"]
+    assert f"mean over {sites}" in energy
+    assert f"early window {spans['early']} {early.estimate}" in energy
+    assert f"late − early {late.estimate}" in energy
+    assert f"early window {spans['early']} {iso.estimate}" in readings["isotropy_removal"]
+    assert all(r.scope for r in report.summary(table))
+    page = html.unescape(written.read_text(encoding="utf-8"))
+    assert f"averages: {early.scope}" in page and str(early.estimate) in page
+
+
+def test_figures_draw_their_intervals() -> None:
+    """Bands and window boxes on the curves over training, bars on the depth profile's
+    ratios, and hatching on heads indistinguishable from their random-frame null."""
+    table = with_windows(synthetic_results())
+    ax_r, ax_p = report.plot_energy_over_training(table).axes[:2]
+    assert len(ax_r.collections) >= 3 + 2  # a band per site, a box per window
+    assert "energy_ratio" in ax_r.get_title() and "p_value" in ax_p.get_title()
+    depth = report.plot_depth_profile(one_checkpoint(table).assign(
+        ci_low=table["ci_low"], ci_high=table["ci_high"]))  # fmt: skip
+    assert any(isinstance(c, LineCollection) for c in depth.axes[1].collections)
+    tt = table[table["statistic"] == "score_share_TT"]
+    z = tt.assign(statistic="score_share_TT_z", value=np.where(tt["head"] == 0, 0.5, 5.0))
+    heat = report.plot_head_heatmap(pd.concat([table, z], ignore_index=True))
+    hatched = [p for ax in heat.axes for p in ax.patches if p.get_hatch()]
+    assert len(hatched) == 2 * 3  # head 0 of each layer, in both panels
 
 
 def test_write_report_from_a_table(written: Path) -> None:
     tmp_path = written.parent
     text = _check_html(written, len(PLOTS))
-    assert report.PAPER["isotropy"] in text and "ab12" in text and "&quot;rank&quot;: 4" in text
+    assert report.PAPER["isotropy"] in text and "ab12" in text
+    assert "<th>rank</th><td>4</td>" in text and "<pre>" not in text
     assert sorted(p.stem for p in (tmp_path / "figures").glob("*.png")) == sorted(PLOTS)
     assert not list(tmp_path.glob(".*.tmp"))
 
@@ -268,7 +382,7 @@ def test_paper_claims_are_typed_and_round_trip_through_json() -> None:
     assert set(record) == {"claim", "paper", "statistic", "model", "gradient_object", "rank",
                            "early", "late", "difference", "verdict", "interval_covers",
                            "seeds", "per_seed", "between", "panel", "threshold", "strength",
-                           "p_value", "p_holm"}  # fmt: skip
+                           "p_value", "p_holm", "scope"}  # fmt: skip
     assert record["difference"] == {"value": -1.0, "ci": [-1.5, -0.5]}
     for claim in found:
         assert report.Claim.from_dict(claim.to_dict()) == claim

@@ -78,9 +78,37 @@ _AMPLIFICATION_COLUMNS = (
 
 
 class DepthProfile:
-    """Per-layer tangent bias and its amplification from ``session.results()`` (or any
-    table with the columns ``probe, site, layer, statistic, value``; ``ci_low`` /
-    ``ci_high`` where there are intervals)."""
+    """Where along the layers the tangent bias appears, and where it grows.
+
+    A bias in one layer says little on its own; the profile puts every layer's ratio to
+    chance beside the previous layer's, with intervals, so an onset is read from the
+    depth at which the bias sets in and stays, not from a single layer's number.
+
+    Args:
+        results: ``session.results()`` or any table with the columns ``probe, site,
+            layer, statistic, value`` (``ci_low`` / ``ci_high`` where there are
+            intervals), one row per statistic and layer.
+        site: The residual site: ``resid_pre``, ``resid_mid`` or ``resid_post``.
+        threshold: The ratio from which a layer counts as biased.
+        alpha: The p-value at or below which a layer's gradient test counts.
+
+    Returns:
+        The profile: `to_frame` (per-layer table), `amplification` (per-layer growth
+        with intervals), `onset_layer`, `amplification_onset` and `plot`.
+
+    Raises:
+        UsageError: Missing columns, several rows per layer (filter to one checkpoint
+            first), no residual or gradient ratio at ``site``, or an invalid ``site``,
+            ``threshold`` or ``alpha``.
+
+    Example:
+        With ``table`` from ``tangentlens.run(model, texts, bases).results()``:
+
+        >>> profile = tangentlens.DepthProfile(table)
+        >>> list(profile.to_frame().columns[:3])
+        ['tangent_share', 'chance_share', 'share_ratio']
+        >>> fig = profile.plot()
+    """
 
     def __init__(
         self,
@@ -249,10 +277,12 @@ class DepthProfile:
     # ------------------------------------------------------------------ plot
     def plot(self, axes: Any = None) -> Any:
         """Three panels against depth: tangent shares (stream and writes, chance dotted);
-        ratios to chance / controls on a log axis; the amplifications with their
-        intervals on a log axis (1 dotted, the amplification onset as a red line).
-        ``axes``: three matplotlib Axes to draw on (default: a new figure). Each series
-        is one line through the layers where it was measured. Returns the figure."""
+        ratios to chance / controls on a log axis; the amplifications on a log axis, each
+        stream statistic and amplification with its 95 % interval where the table has one
+        (a point alone cannot say whether a layer differs from its neighbour); 1 dotted,
+        the amplification onset as a red line. ``axes``: three matplotlib Axes to draw on
+        (default: a new figure). Each series is one line through the layers where it was
+        measured. Returns the figure."""
         return plot_profiles([(self.site, self)], axes)
 
     def _draw(self, axes: Any, label: str | None, colour: Any, shift: float, floor: Any) -> None:
@@ -271,15 +301,30 @@ class DepthProfile:
                 return ax.plot(x, y, fmt, label=text if alone or ax is ax_s else None, **style)[0]
             return None
 
+        def bars(ax: Any, drawn: Any, stat: str, dx: float = 0.0) -> None:
+            """The stream statistic's 95 % interval per layer, where the table has one (a
+            bound at or below 0 on a log axis is drawn from the panel's bottom)."""
+            ci = self._stream[stat].dropna(subset=["ci_low", "ci_high"])
+            if drawn is None or ci.empty:
+                return
+            low = ci["ci_low"]
+            if ax is ax_r:
+                low = low.where(low > 0, ci["value"].where(ci["value"] > 0).min() / 10)
+            x = ci.index.to_numpy(float) + dx + shift
+            ax.vlines(x, low, ci["ci_high"], color=drawn.get_color(), lw=1.2, alpha=0.8)
+
         writes = {n: {s: f["value"] for s, f in w.items()} for n, w in self._writes.items()}
-        line(ax_s, t["tangent_share"], "o-", self.site if alone else label)
-        line(ax_r, t["share_ratio"], "o-", f"{self.site} share / chance")
+        drawn = line(ax_s, t["tangent_share"], "o-", self.site if alone else label, shift)
+        bars(ax_s, drawn, "tangent_share")
+        drawn = line(ax_r, t["share_ratio"], "o-", f"{self.site} share / chance", shift)
+        bars(ax_r, drawn, "share_ratio")
         if alone:
             line(ax_s, writes["attn_write"]["tangent_share"], "^--", "attn write")
             line(ax_s, writes["mlp_write"]["tangent_share"], "v--", "mlp write")
             line(ax_r, writes["attn_write"]["share_ratio"], "^--", "attn write share / chance")
             line(ax_r, writes["mlp_write"]["share_ratio"], "v--", "mlp write share / chance")
-        line(ax_r, t["energy_ratio"], "s-", "gradient energy ratio")
+        drawn = line(ax_r, t["energy_ratio"], "s-", "gradient energy ratio", shift)
+        bars(ax_r, drawn, "energy_ratio")
         amp = self._amplification[lambda a: a["quantity"].isin(list(_AMPLIFIED))]
         for quantity, fmt, side in (("share", "o-", -0.05), ("energy", "s-", 0.05)):
             a = amp[amp["quantity"] == quantity].set_index("layer")
@@ -304,16 +349,16 @@ def plot_profiles(
     colours: Sequence[Any] | None = None,
     legend: bool = True,
 ) -> Any:
-    """The depth figure, for one profile or several (``(label, profile)``: a study's
-    checkpoints or windows), so a lone profile and a report's series are drawn by the same
-    code. Three panels against depth: tangent shares (chance dotted); ratios to chance /
-    controls on a log axis; the amplifications with their intervals on a log axis (1
-    dotted). One profile: every series (its block writes too) and the amplification onset
-    as a red line. Several: the stream's lines only, one colour per profile (``colours``,
-    default matplotlib's cycle), ``o`` for shares and ``s`` for gradient energy, so the
-    profiles compare at a glance. ``axes``: three Axes to draw on (default: a new
-    figure, laid out here); ``legend``: a legend per panel (off when the caller gathers
-    the handles itself). Returns the figure."""
+    """The depth figure, for one profile or several (``(label, profile)``: a study's checkpoints or
+    windows), so a lone profile and a report's series are drawn by the same code. Three panels
+    against depth: tangent shares (chance dotted); ratios to chance / controls on a log axis;
+    the amplifications on a log axis (1 dotted); the stream's statistics and the amplifications
+    with their intervals where the table has them. One profile: every series (its block writes
+    too) and the amplification onset as a red line. Several: the stream's lines only, one colour
+    per profile (``colours``, default matplotlib's cycle), ``o`` for shares and ``s`` for
+    gradient energy, so the profiles compare at a glance. ``axes``: three Axes to draw on
+    (default: a new figure, laid out here); ``legend``: a legend per panel (off when the caller
+    gathers the handles itself). Returns the figure."""
     from matplotlib import rcParams
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
     from matplotlib.ticker import MaxNLocator

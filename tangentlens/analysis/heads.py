@@ -61,9 +61,34 @@ class HeadArrays:
 def head_arrays(
     table: pd.DataFrame, statistic: str = "score_share_TT", *, mean: bool = False
 ) -> HeadArrays:
-    """The per-head rows of ``statistic`` in ``table`` (``session.results()`` or a study
-    table) as a `HeadArrays`. Several rows for one (layer, head) (tags, checkpoints) are
-    an error unless ``mean=True``, which averages them (a window of checkpoints)."""
+    """One per-head statistic of a results table as a ``(layer, head)`` grid.
+
+    The grid is what ``imshow`` and circuitsvis take; it keeps its layer and head labels
+    and each head's key/value group, so a grouped-query model is not misread. Several
+    rows for one head (tags, checkpoints) are refused unless asked to average, so two
+    runs are never blended silently.
+
+    Args:
+        table: ``session.results()`` or a study table.
+        statistic: A per-head statistic (``score_share_TT`` …, ``write_share``, a ``_z``).
+        mean: Average several rows per (layer, head), e.g. a window of checkpoints.
+
+    Returns:
+        A `HeadArrays`: ``values`` (NaN where a head has no row), ``layers``, ``heads``,
+        ``kv_groups``; ``np.asarray(arrays)`` is ``values``.
+
+    Raises:
+        UsageError: Missing columns, no per-head rows of ``statistic``, or several rows
+            per head without ``mean=True``.
+
+    Example:
+        With ``model`` a TransformerLens bridge and ``table`` from
+        ``tangentlens.run(model, texts, bases).results()``:
+
+        >>> arrays = tangentlens.head_arrays(table, "score_share_TT")
+        >>> arrays.values.shape == (model.cfg.n_layers, model.cfg.n_heads)
+        True
+    """
     missing = {"layer", "head", "statistic", "value"} - set(table.columns)
     if missing:
         raise UsageError(f"the table lacks columns {sorted(missing)}; pass session.results().")
@@ -113,13 +138,33 @@ def plot_heads(
     mean: bool = False,
     annotate: bool | None = None,
 ) -> Figure:
-    """One heatmap (layer × head) per statistic: by default the four score terms' shares
-    (TT, TN, NT, NN) on one 0–1 scale, and ``write_share`` when the table has it. Shares
-    share one colour scale; a ``_z`` statistic gets a diverging, symmetric-log scale
-    centred on 0 (z against a few null frames spans decades).
-    Dashed lines separate key/value groups (grouped-query attention); at most three
-    panels a row. ``annotate``: write each value in its cell (default: when a panel has
-    at most 160 cells)."""
+    """One heatmap (layer × head) per statistic, on scales that compare.
+
+    Shares share one 0–1 colour scale, so panels compare by colour; a ``_z`` statistic
+    gets a diverging symmetric-log scale centred on 0, since z against a null spans
+    decades. Dashed lines separate key/value groups (grouped-query attention); at most
+    three panels a row.
+
+    Args:
+        table: ``session.results()`` or a study table.
+        statistics: Per-head statistics, one panel each (default: the four score terms'
+            shares TT, TN, NT, NN, and ``write_share`` when the table has it).
+        mean: Average several rows per (layer, head), as `head_arrays`.
+        annotate: Write each value in its cell (default: when a panel has at most 160).
+
+    Returns:
+        A matplotlib `Figure` (no pyplot state; ``fig.savefig(path)`` to keep it).
+
+    Raises:
+        UsageError: No per-head score shares in the table, or any error of `head_arrays`.
+
+    Example:
+        With ``table`` from ``tangentlens.run(model, texts, bases).results()``:
+
+        >>> fig = tangentlens.plot_heads(table)
+        >>> [ax.get_title() for ax in fig.axes[:2]]
+        ['score_share_TT', 'score_share_TN']
+    """
     names = list(statistics) if statistics is not None else _default_panels(table)
     if not names:
         raise UsageError(

@@ -49,9 +49,34 @@ def _check_part(part: str) -> str:
 
 
 def ablate(basis: TangentBasis, part: str = "tangent") -> HookFn:
-    """A hook that removes ``part`` of the activation: the activation becomes the other
-    part of `TangentBasis.split` (rounded to the activation's dtype), so ablating the
-    tangent part leaves ``split(x)[1]`` and ablating both would leave zero."""
+    """A hook that removes ``part`` of an activation, for an intervention you run yourself.
+
+    The activation becomes the other part of `TangentBasis.split` (rounded to the
+    activation's dtype), so ``tangent + normal == input`` holds exactly and ablating
+    both parts would leave zero. The hook has TransformerLens' ``(tensor, hook)``
+    signature with ``hook`` optional, so on nnsight ``h[:] = ablate(basis)(h)`` works too.
+
+    Args:
+        basis: The `TangentBasis` of the site the hook goes on.
+        part: ``"tangent"`` (keep the normal part) or ``"normal"`` (keep the tangent part).
+
+    Returns:
+        A hook function ``hook(tensor, hook=None) -> tensor``.
+
+    Raises:
+        TypeError: ``basis`` is not a `TangentBasis`.
+        UsageError: ``part`` is neither ``"tangent"`` nor ``"normal"``.
+
+    Example:
+        With ``model`` a TransformerLens bridge from `load`, ``texts`` a list of
+        strings and ``bases`` from `fit_bases`:
+
+        >>> hook = tangentlens.ablate(bases["blocks.1.hook_resid_pre"], "tangent")
+        >>> loss = model.run_with_hooks(model.to_tokens(texts[0]), return_type="loss",
+        ...                             fwd_hooks=[("blocks.1.hook_resid_pre", hook)])
+        >>> bool(loss.isfinite())
+        True
+    """
     if not isinstance(basis, TangentBasis):
         raise TypeError(f"basis must be a TangentBasis; got {type(basis).__name__}.")
     index = 1 if _check_part(part) == "tangent" else 0
@@ -202,17 +227,46 @@ def causal_effects(
     seed: int = 0,
     progress: bool = True,
 ) -> pd.DataFrame:
-    """Per site with a basis: the change of ``metric`` (default: mean next-token loss)
-    when ``part`` of the activation is removed there, against removing the same part of
-    ``n_null`` uniformly random frames of the same rank (the null).
+    """The causal effect of removing ``part`` of the activation at each site, with a null.
 
-    Rows (``probe="intervention"``, ``component=part``): ``delta_metric`` (ablated − clean),
-    ``delta_metric_null_mean``/``_std``, ``z``, ``p_value`` = (1 + #{|null| ≥
-    |effect|})/(n_null + 1) and ``p_value_floor`` = 1/(n_null + 1), the smallest p-value
-    this null can give: the default 99 frames let p reach 0.01, where a handful could
-    never reject. With the default metric the frames share forward passes (one copy of
-    the batch per frame); a custom ``metric(model, batch)`` runs one frame per pass.
-    Every hook is removed before the next pass.
+    A removal changes the loss whatever subspace it takes away, so each site's effect is
+    read against the same removal of ``n_null`` uniformly random frames of the same rank.
+    The default 99 frames let the p-value reach 0.01; a handful of frames could never
+    reject, and ``p_value_floor`` says how low this null can go. With the default metric
+    the frames share forward passes (one copy of the batch per frame); every hook is
+    removed before the next pass.
+
+    Args:
+        model: A TransformerLens bridge or an nnsight model (`load`).
+        batches: ``(batch, pos)`` token ids, dicts with an ``attention_mask``, text or an
+            iterable of those; padding is masked.
+        bases: A `BasisSet` or a dict hook name → `TangentBasis`.
+        part: ``"tangent"`` or ``"normal"``: the part removed.
+        sites: A TransformerLens names filter over the sites with a basis (default: all).
+        metric: ``metric(model, batch) -> scalar`` (default: mean next-token loss); a
+            custom metric runs one frame per pass.
+        n_null: Random frames behind the null (at least 2).
+        seed: Seeds the random frames.
+        progress: Show a progress bar.
+
+    Returns:
+        A results table (``probe="intervention"``, ``component=part``), per site:
+        ``delta_metric`` (ablated − clean), ``delta_metric_null_mean`` and ``_std``,
+        ``z``, ``p_value`` = (1 + #{|null| ≥ |effect|}) / (n_null + 1) and
+        ``p_value_floor`` = 1 / (n_null + 1).
+
+    Raises:
+        UsageError: An unknown ``part``, ``n_null`` below 2, bases of another site, or
+            no site with a basis selected.
+
+    Example:
+        With ``model`` from `load`, ``texts`` a list of strings and ``bases`` from
+        `fit_bases`:
+
+        >>> effects = tangentlens.causal_effects(model, texts, bases,
+        ...                                      sites="blocks.1.hook_resid_pre", progress=False)
+        >>> float(effects.set_index("statistic")["value"]["p_value_floor"])
+        0.01
     """
     batches, metric, backend, by_site = _setup(model, batches, bases, part, n_null, metric)
     chosen = [s for s in select_sites(list(by_site), sites) if s in by_site]
@@ -291,17 +345,45 @@ def head_effects(
     seed: int = 0,
     progress: bool = True,
 ) -> pd.DataFrame:
-    """Per head: the change of ``metric`` when ``part`` of the attention input is removed
-    from that head's queries and keys only (its score keeps the other part's terms and the
-    bias), against random frames of matched rank; rows as `causal_effects`, with ``head``
-    (read it as ``table["head"]``: ``table.head`` is the DataFrame method).
+    """The causal effect of removing ``part`` of one head's query and key input, per head.
 
-    Uses the bases at ``attn_in`` (``blocks.{l}.ln1.hook_out``). Runs on either backend:
-    the edit goes on the outputs of the linear maps that read the attention input
-    (`Backend.input_linears`), at the columns that hold the head's query and key (found
-    from `Backend.attention_params`), so fused q/k/v maps work too. Under grouped-query
-    attention the key edit is on the head's kv head, which its group shares. Models with
-    q/k norms are refused (the edit would be rescaled by the norm).
+    Removing a part from the whole attention input would move every head at once; this
+    edits one head's queries and keys only (its score keeps the other part's terms and
+    the bias), against the same edit with random frames of matched rank. The edit goes
+    on the outputs of the maps that read the attention input, at the head's columns, so
+    it runs on either backend and on fused q/k/v maps; under grouped-query attention the
+    key edit is on the head's kv head, which its group shares.
+
+    Args:
+        model: A TransformerLens bridge or an nnsight model (`load`).
+        batches: ``(batch, pos)`` token ids, dicts with an ``attention_mask``, text or an
+            iterable of those; padding is masked.
+        bases: A `BasisSet` or a dict hook name → `TangentBasis` with bases at
+            ``attn_in`` (``blocks.{l}.ln1.hook_out``).
+        part: ``"tangent"`` or ``"normal"``: the part removed.
+        layers: Layers to edit (default: every layer with a basis at ``attn_in``).
+        metric: ``metric(model, batch) -> scalar`` (default: mean next-token loss).
+        n_null: Random frames behind each head's null (at least 2).
+        seed: Seeds the random frames.
+        progress: Show a progress bar.
+
+    Returns:
+        A results table with the rows of `causal_effects` per ``layer`` and ``head``
+        (read it as ``table["head"]``: ``table.head`` is the DataFrame method).
+
+    Raises:
+        UsageError: An unknown ``part``, ``n_null`` below 2, no basis at ``attn_in``, or
+            a model with q/k norms (the norm would rescale the edit).
+
+    Example:
+        With ``model`` a TransformerLens bridge from `load`, ``texts`` a list of
+        strings and ``bases`` from `fit_bases`:
+
+        >>> effects = tangentlens.head_effects(model, texts[:4], bases, layers=[1],
+        ...                                    n_null=19, progress=False)  # p ≥ 1/20
+        >>> p = effects[effects["statistic"] == "p_value"]
+        >>> len(p) == model.cfg.n_heads
+        True
     """
     batches, metric, backend, by_site = _setup(model, batches, bases, part, n_null, metric)
     wanted = range(backend.n_layers) if layers is None else layers

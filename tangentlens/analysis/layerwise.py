@@ -189,16 +189,46 @@ def layerwise_probe(
     seed: int = 0,
     progress: bool = True,
 ) -> pd.DataFrame:
-    """Fit linear probes for ``labels`` on the full activation, its tangent part and its
-    normal part at ``site`` of every layer that has a basis (or of ``layers``).
+    """Linear probes for a label on each layer's full activation, tangent and normal part.
 
-    ``labels``: ``"position"`` (four position buckets), ``"frequency"`` (quartiles of the
-    token frequency in these batches), a callable on token ids ``(batch, pos) -> labels``
-    or a list of integer ``(batch, pos)`` tensors aligned with ``batches``. Returns the
-    results table: ``probe="linear"``, ``hook``, ``layer``, ``component`` in
-    {full, tangent, normal}, statistics ``accuracy``, ``balanced_accuracy`` and ``roc_auc``
-    (with ``ci_low``/``ci_high``), ``chance_accuracy`` and ``chance_balanced_accuracy``.
-    Memory: ``tokens_per_layer × d`` floats per layer.
+    Probing the parts apart says which subspace carries the label, not only whether the
+    layer does. Folds split by sequence (tokens of one sequence never sit on both sides), and
+    balanced accuracy and ROC AUC sit beside accuracy with the majority-class chance,
+    since accuracy alone can look good on unbalanced labels by guessing the majority.
+    Memory is bounded: a seeded sample of ``tokens_per_layer`` tokens per layer.
+
+    Args:
+        model: A TransformerLens bridge or an nnsight model (`load`).
+        batches: ``(batch, pos)`` token ids, dicts with an ``attention_mask``, text or an
+            iterable of those; padding is masked.
+        bases: A `BasisSet` or a dict hook name → `TangentBasis` with a basis at ``site``.
+        labels: ``"position"`` (four position buckets), ``"frequency"`` (quartiles of the
+            token frequency in these batches), a callable on token ids
+            ``(batch, pos) -> labels`` or integer ``(batch, pos)`` tensors, one per batch.
+        layers: Layers to probe (default: every layer with a basis at ``site``).
+        site: The residual site: ``resid_pre``, ``resid_mid`` or ``resid_post``.
+        tokens_per_layer: Tokens sampled per layer (at least ``2 * n_folds``).
+        n_folds: Cross-validation folds over sequences (at least 2).
+        seed: Seeds the token sample and the folds.
+        progress: Show a progress bar.
+
+    Returns:
+        A results table (``probe="linear"``, ``component`` in full / tangent / normal):
+        ``accuracy``, ``balanced_accuracy`` and ``roc_auc`` with a t interval over folds
+        clipped to [0, 1], and ``chance_accuracy`` and ``chance_balanced_accuracy``.
+
+    Raises:
+        UsageError: Unknown ``labels``, labels not aligned with the batches, no basis at
+            ``site`` for these layers, or fewer sequences than folds.
+
+    Example:
+        With ``model`` from `load`, ``texts`` a list of strings and ``bases`` from
+        `fit_bases`:
+
+        >>> table = tangentlens.layerwise_probe(model, texts, bases, "position",
+        ...                                     layers=[0], progress=False)
+        >>> sorted(table["component"].unique())
+        ['full', 'normal', 'tangent']
     """
     batches = as_batches(model, batches)
     ids = [unpack_batch(b)[0] for b in batches]

@@ -258,7 +258,7 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Re-render the report (and figures/) from a saved results folder."""
+    """Re-render the page of a folder the tool wrote (`tangentlens.report.render`)."""
     from . import workflows
 
     _say(f"report: {workflows.render_report(args.dir, args.out)}")
@@ -453,13 +453,16 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         parents=[common],
         help="re-render report.html from saved results",
-        description="Read results.csv (and manifest.json) in DIR; write report.html and figures/.",
+        description="Read the results in DIR (a study, a probe, a demo or a study over seeds) "
+        "and write its page: DIR/report.html and figures/ (a demo's or a study over seeds': the "
+        "overview, and each run's page), or with --out only that page and its own figure folder.",
     )
     report.add_argument("dir", metavar="DIR", help="the --out folder of study, probe or demo")
     report.add_argument(
         "--out",
         metavar="FILE",
-        help="the HTML file to write, not a folder (default: DIR/report.html)",
+        help="the HTML file to write, not a folder, with its figures in FILE_files/ beside it "
+        "(default: DIR/report.html)",
     )
     report.set_defaults(func=cmd_report)
     return parser

@@ -59,7 +59,7 @@ from ..probes.distributed import run_probe
 from ..probes.driver import fit_bases, run
 from ..report import write_overview, write_report
 from ..report.claims import Claim
-from ..report.page import is_report
+from ..report.render import render_report
 from ..report.verdicts import paper_claims
 from ..study import Study, StudyConfig
 from ..version import __version__
@@ -478,34 +478,6 @@ def run_studies(
                    "seeds": list(tables), "series": series}  # fmt: skip
         write_json(out / SUMMARY_FILE, summary)
     return {kind: tables}, claims
-
-
-# ----------------------------------------------------------------------------- report
-def render_report(folder: str | Path, target: str | Path | None = None) -> Path:
-    """Re-render ``report.html`` (or the HTML file ``target``) and ``figures/`` beside it
-    from a results folder; the target's folder is held while it is written, and a file
-    there that is not a tangentlens report is never overwritten."""
-    source = Path(folder).expanduser()
-    if not source.is_dir():
-        raise MissingFileError(
-            f"{source} is not a folder; pass the --out folder of `tangentlens study` or `probe`"
-        )
-    page = source / "report.html" if target is None else Path(target).expanduser()
-    if page.is_dir() or str(target or "").endswith(("/", "\\")):
-        raise UsageError(
-            f"--out {target} is a folder; --out takes the HTML file to write, e.g. "
-            f"{page / 'report.html'}"
-        )
-    with lock_folder(page.parent, "report"):
-        if page.exists() and not is_report(page):
-            raise UsageError(
-                f"{page} exists and is not a tangentlens report; it is never overwritten: "
-                "pass another --out file"
-            )
-        remove_stale_temporaries(page.parent, (f".{page.name}.*.tmp",))
-        if (page.parent / "figures").is_dir():
-            remove_stale_temporaries(page.parent / "figures")
-        return write_report(source, page)
 
 
 # ----------------------------------------------------------------------------- demo

@@ -109,12 +109,34 @@ def text_batches(
     batch_size: int = 8,
     max_length: int | None = None,
 ) -> list[Tensor | dict[str, Tensor]]:
-    """Tokenise ``texts`` with a Hugging Face tokenizer, ``batch_size`` texts per batch.
+    """Tokenise ``texts`` into batches whose padding every probe can tell apart.
 
-    A batch whose texts have one length is a ``(batch, pos)`` tensor; otherwise a dict
-    with right-padded ``input_ids`` and an ``attention_mask`` (the probes skip padding).
-    ``max_length`` truncates each text. The tokenizer is not modified (padding is ours, so
-    a tokenizer without a pad token works).
+    Texts of unequal length need padding, and a pad id can also be a real token; a batch
+    that needs padding therefore carries its ``attention_mask`` explicitly, so no
+    statistic ever counts a pad position. The tokenizer is not modified (the padding is
+    ours, so a tokenizer without a pad token works).
+
+    Args:
+        tokenizer: A Hugging Face tokenizer (``model.tokenizer``, ``load(...).tokenizer``).
+        texts: A string or a list of strings.
+        batch_size: Texts per batch.
+        max_length: Tokens kept per text (default: all).
+
+    Returns:
+        A list of batches: a ``(batch, pos)`` id tensor where the texts have one length,
+        else a dict with right-padded ``input_ids`` and its ``attention_mask``.
+
+    Raises:
+        UsageError: No texts, a text that tokenises to nothing, or a ``batch_size`` or
+            ``max_length`` below 1.
+
+    Example:
+        With ``model`` from `load` and ``texts`` a list of strings of unequal length:
+
+        >>> batches = tangentlens.text_batches(model.tokenizer, texts, batch_size=4)
+        >>> sorted(batches[0])
+        ['attention_mask', 'input_ids']
+        >>> bases = tangentlens.fit_bases(model, batches, rank=8, progress=False)
     """
     texts = [texts] if isinstance(texts, str) else list(texts)
     if not texts or not all(isinstance(t, str) for t in texts):

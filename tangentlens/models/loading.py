@@ -501,16 +501,39 @@ def load(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
 ) -> LoadedModel:
-    """Load ``name`` (a bundled name, a local HF folder or a hub id) for ``backend``.
+    """Load a model offline for either backend, with its tokenizer.
 
-    ``"transformer_lens"`` gives a ``TransformerBridge``
-    (``TransformerBridge.boot_transformers``; raw HF weights, eager attention). For an
-    encoder without an MLM head (MiniLM) the bridge wraps ``BertForMaskedLM`` whose head is
-    randomly initialised: use hooks and a user loss, not its logits. A family the bridge
-    cannot boot (`FamilySpec.bridge`: ModernBERT, EuroBERT) is a `UsageError` naming the
-    nnsight backend, raised before TransformerLens is asked. ``"nnsight"`` gives a
-    ``nnsight.TransformersModel`` for causal LMs and ``nnsight.NNsight`` around the saved
-    architecture otherwise. Models are in eval mode; ``dtype`` defaults to float32.
+    One call whatever the source, so a study reads the same weights through
+    TransformerLens or nnsight. ``"transformer_lens"`` gives a ``TransformerBridge``
+    (raw HF weights, eager attention); a family the bridge cannot boot (ModernBERT,
+    EuroBERT) is refused with a message naming the nnsight backend before
+    TransformerLens is asked. ``"nnsight"`` gives ``nnsight.TransformersModel`` for
+    causal LMs and ``nnsight.NNsight`` otherwise. An encoder without an MLM head
+    (MiniLM) gets a randomly initialised head on the bridge: use hooks and your own
+    loss, not its logits.
+
+    Args:
+        name: A bundled name (``"smollm2-135m"``), a local Hugging Face folder or a hub id.
+        backend: ``"transformer_lens"`` or ``"nnsight"``.
+        device: Where the weights go.
+        dtype: A torch dtype or its name (default: float32).
+
+    Returns:
+        A `LoadedModel` (in eval mode): ``model``, ``tokenizer``, ``name``, ``backend``,
+        ``source`` (the folder read) and ``causal``.
+
+    Raises:
+        UsageError: An unknown name, backend or dtype, or a family the backend cannot load.
+        MissingFileError: A model folder path that does not exist.
+        HubUnavailableError: A hub id while the hub cannot be reached.
+        CorruptFileError: Damaged weights in the folder.
+
+    Example:
+        With ``folder`` a local Hugging Face model folder (or ``"smollm2-135m"``):
+
+        >>> loaded = tangentlens.load(folder)
+        >>> loaded.backend, loaded.causal
+        ('transformer_lens', True)
     """
     check_backend(backend)
     torch_dtype = _dtype(dtype)

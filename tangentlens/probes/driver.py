@@ -185,18 +185,48 @@ def run(
     progress: bool = True,
     **options: Any,
 ) -> ProbeSession:
-    """Probe ``model`` over ``batches`` and return the closed session (`results()`).
+    """Probe ``model`` over ``batches``: the forward (and backward) passes done for you.
 
-    ``batches``: ``(batch, pos)`` token-id tensors, dicts with ``input_ids`` and
-    ``attention_mask``, text (a string or a list of strings, read with the model's
-    tokenizer) or an iterable of those (`tangentlens.models.batches`). Without the gradient
-    probe: one forward under ``no_grad``.
-    With it: the loss, then gradients with respect to the embedding output only (model
-    parameters' ``.grad`` are left untouched). ``loss``: ``"lm"`` (the summed next-token
-    loss, `lm_loss`; the default for causal models), ``"mlm"`` (the seeded masked-token
-    loss, `mlm_loss`, for encoders with a masked-LM head) or ``callable(model, batch) ->
-    scalar``. A probe that cannot run on this model is skipped with one warning
-    (`ProbeSession.skipped`); the others run.
+    The one entry point for a probing run: `probe` is the context manager under it (for
+    passes you run yourself), `tangentlens.probes.distributed.run_probe` the same over
+    several processes. Without a gradient probe each batch is one forward under
+    ``no_grad``; with one, the loss is differentiated with respect to the embedding
+    output only, so the model's parameters keep their ``.grad``.
+
+    Args:
+        model: A TransformerLens bridge or an nnsight model (`load`).
+        batches: ``(batch, pos)`` token ids, dicts with ``input_ids`` and
+            ``attention_mask``, text (read with the model's tokenizer) or an iterable of
+            those; padding is masked out of every statistic.
+        bases: A `BasisSet` or a dict hook name → `TangentBasis`; the probes run at the
+            sites that have one (None: probes that need no basis only).
+        probes: Registered probe names (`tangentlens.probes.PROBES`).
+        loss: ``"lm"`` (summed next-token loss; the default for causal models),
+            ``"mlm"`` (seeded masked-token loss, for encoders) or
+            ``callable(model, batch) -> scalar``.
+        layers: Layers to probe (default: every layer with a basis).
+        progress: Show a progress bar.
+        **options: The probes' own options (``n_controls``, ``head_null``, ``reservoir``,
+            ``seed``, ``sites``, ``memory``; see `ProbeSession`); an option no probe takes
+            is an error.
+
+    Returns:
+        The closed `ProbeSession`; ``session.results()`` is the long results table. A
+        probe that cannot run on this model is skipped with one warning and listed in
+        ``session.skipped``.
+
+    Raises:
+        UsageError: An unknown ``loss`` name or option, batches the model cannot read,
+            or the gradient probe on an encoder without a ``loss``.
+
+    Example:
+        With ``model`` from `load`, ``texts`` a list of strings and ``bases`` from
+        `fit_bases`:
+
+        >>> session = tangentlens.run(model, texts, bases, progress=False)
+        >>> table = session.results()
+        >>> sorted(table["probe"].unique())
+        ['attention', 'basis', 'gradient', 'residual']
     """
     if isinstance(loss, str) and loss not in LOSSES:
         raise UsageError(f"loss must be one of {sorted(LOSSES)} or a callable; got {loss!r}.")
@@ -248,15 +278,43 @@ def fit_bases(
     provenance: dict[str, Any] | None = None,
     memory: str = "full",
 ) -> BasisSet:
-    """One pass over ``batches``: activation `Moments` per site, then PCA per site.
+    """Fit Q_T, the top principal subspace of the activations, at every site.
 
-    ``rank=k`` or ``variance=0.9`` (see `TangentBasis.fit`). ``sites`` is a names filter
-    (default: ``resid_pre``, ``resid_mid``, ``resid_post``, ``attn_in`` and ``mlp_in`` of
-    every layer). The returned `BasisSet` keeps the Moments in ``.moments``; each basis
-    records ``split_half_overlap`` (bases fitted on the even and on the odd batches) in its
-    provenance, and an `UnstableBasisWarning` names the sites where that is near chance.
-    ``memory="compact"`` keeps the d×d Moments in float32 (`tangentlens.core.stats`): three sets
-    (the two halves and their merge) of 4d² bytes per site instead of 8d².
+    One pass over ``batches`` keeps streaming `Moments` per site (no activation is
+    stored), then each site gets its own PCA. The even and the odd batches are also
+    fitted apart: their overlap (``split_half_overlap`` in each basis's provenance) says
+    whether Q_T is a property of the model or of this sample, and an
+    `UnstableBasisWarning` names the sites where it is near chance.
+
+    Args:
+        model: A TransformerLens bridge or an nnsight model (`load`).
+        batches: ``(batch, pos)`` token ids, dicts with ``input_ids`` and
+            ``attention_mask``, text or an iterable of those; padding is masked.
+        rank: Dimension k of every basis; pass this or ``variance``.
+        variance: Fraction of each site's variance to keep, instead of ``rank``.
+        sites: A TransformerLens names filter (None, a hook name, a list or a callable);
+            default: ``resid_pre``, ``resid_mid``, ``resid_post``, ``attn_in`` and
+            ``mlp_in`` of every layer.
+        layers: Layers to fit (default: all).
+        progress: Show a progress bar.
+        provenance: Extra entries recorded in every basis's provenance.
+        memory: ``"full"`` (float64 d×d state) or ``"compact"`` (float32, for d ≥ 2048).
+
+    Returns:
+        A `BasisSet` (hook name → `TangentBasis`) that also keeps the `Moments` in
+        ``.moments``; each basis records the weights it was fitted on, so using it on
+        other weights warns.
+
+    Raises:
+        UsageError: Both or neither of ``rank`` and ``variance``, batches the model
+            cannot read, or a site too few tokens reached.
+
+    Example:
+        With ``model`` from `load` and ``texts`` a list of strings:
+
+        >>> bases = tangentlens.fit_bases(model, texts, rank=8, progress=False)
+        >>> bases["blocks.0.hook_resid_pre"].k
+        8
     """
     if (rank is None) == (variance is None):
         raise UsageError("pass exactly one of rank= (an int) or variance= (a fraction in (0, 1]).")

@@ -483,13 +483,40 @@ def probe(
     layers: int | Iterable[int] | None = None,
     **options: Any,
 ) -> ProbeSession:
-    """A context manager that probes every pass run inside it; see `ProbeSession`.
+    """A context manager that turns every pass run inside it into probe statistics.
 
-    ``bases``: a `BasisSet` or a dict hook name → `TangentBasis`; the probes run at the
-    sites that have a basis (``blocks.{l}.hook_resid_pre`` …; attention at
-    ``blocks.{l}.ln1.hook_out``). Options: ``sites`` (names filter), ``seed``,
-    ``memory`` (``"full"`` or ``"compact"``: float32 d×d state, for d ≥ 2048) and the
-    probes' own (``n_controls``, ``head_null``, ``reservoir``; see `ProbeSession`).
+    For passes you run yourself (``model(...)``, ``run_with_hooks``, a training step):
+    the session hooks each site once, reads the ``attention_mask`` of every call so
+    padding is never counted, and removes exactly the hooks it added when the block
+    exits, even on an exception. `run` is the same with the passes done for you.
+
+    Args:
+        model: A TransformerLens bridge or an nnsight model (`load`).
+        bases: A `BasisSet` or a dict hook name → `TangentBasis`; the probes run at the
+            sites that have one (attention at ``blocks.{l}.ln1.hook_out``).
+        probes: Registered probe names (`tangentlens.probes.PROBES`).
+        layers: Layers to probe (default: every layer).
+        **options: ``sites`` (a names filter), ``seed``, ``memory`` (``"full"`` or
+            ``"compact"``) and the probes' own (``n_controls``, ``head_null``,
+            ``reservoir``; see `ProbeSession`).
+
+    Returns:
+        An unopened `ProbeSession`; ``session.results()`` is the long results table.
+
+    Raises:
+        UsageError: An unknown probe or option, or layers the model lacks;
+            ``results()`` raises it when no pass (or, for gradient probes, no backward
+            pass) ran inside the block.
+
+    Example:
+        With ``model`` a TransformerLens bridge from `load`, ``texts`` a list of
+        strings and ``bases`` from `fit_bases`:
+
+        >>> with tangentlens.probe(model, bases, probes=("residual", "gradient")) as session:
+        ...     loss = model(model.to_tokens(texts[0]), return_type="loss")
+        ...     loss.backward()
+        >>> sorted(session.results()["probe"].unique())
+        ['basis', 'gradient', 'residual']
     """
     return ProbeSession(model, bases, probes, layers, **options)
 

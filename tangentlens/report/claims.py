@@ -14,9 +14,9 @@ and a claim tested across seeds its p-value and Holm-adjusted p-value.
 Its JSON form is a flat record (``claim``, ``paper``, ``statistic``, ``model``,
 ``gradient_object``, ``rank``, ``verdict``, one ``{"value", "ci"}`` entry per number under
 the window's or centre's name, then ``interval_covers``, ``seeds``, ``per_seed``,
-``between``, ``panel``, ``threshold``, ``strength``, ``p_value`` and ``p_holm``), so a
-``summary.json`` is readable without this package; `Claim.from_dict` reads it back, and
-reads records without the later keys as one seed's claims.
+``between``, ``panel``, ``threshold``, ``strength``, ``p_value``, ``p_holm`` and
+``scope``), so a ``summary.json`` is readable without this package; `Claim.from_dict`
+reads it back, and reads records without the later keys as one seed's claims.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ _OBJECT_NAMES = {
 }
 _KNOWN = {"claim", "paper", "statistic", "model", "gradient_object", "rank", "verdict",
           "interval_covers", "seeds", "per_seed", "between", "panel", "threshold", "strength",
-          "p_value", "p_holm"}  # fmt: skip
+          "p_value", "p_holm", "scope"}  # fmt: skip
 
 
 def _opt_float(x: Any) -> float | None:
@@ -166,7 +166,9 @@ class Claim:
     verdict can at most *suggest*. ``panel``: the claim under each window definition
     (dynamics claims); ``threshold`` τ and ``strength`` (strong / weak / none) for the
     "concentrated early" claim; ``p_value`` (between-seed t-test against the claim's
-    line) and ``p_holm`` (Holm-adjusted across the claims of one summary)."""
+    line) and ``p_holm`` (Holm-adjusted across the claims of one summary). ``scope``: the
+    sites and checkpoints the tested number averages, in the words the figures use
+    (`tangentlens.report.scope`), so a page can say what each number is a mean of."""
 
     name: str
     model: str
@@ -183,6 +185,7 @@ class Claim:
     strength: str | None = None
     p_value: float | None = None
     p_holm: float | None = None
+    scope: str = ""
 
     def __post_init__(self) -> None:
         if self.name not in _TESTED:
@@ -291,6 +294,7 @@ class Claim:
             "strength": self.strength,
             "p_value": self.p_value,
             "p_holm": self.p_holm,
+            "scope": self.scope,
         }
 
     @classmethod
@@ -324,6 +328,7 @@ class Claim:
                 strength=None if record.get("strength") is None else str(record["strength"]),
                 p_value=_opt_float(record.get("p_value")),
                 p_holm=_opt_float(record.get("p_holm")),
+                scope=str(record.get("scope") or ""),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptFileError(f"not a claim record ({err!r}): {dict(record)}") from err

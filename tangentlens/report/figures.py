@@ -1,6 +1,11 @@
 """The report's figures: each takes a long results table and returns a matplotlib
 `Figure` and a one-line reading, or None when the table holds no data for it.
 
+Each reading names the sites and checkpoints its numbers average (`tangentlens.report.scope`),
+and a figure over training quotes the very window means the summary's verdicts read, so
+a page never shows two values under one name. Intervals are drawn wherever the table has
+them: per site and checkpoint (bands, bars), and the windows' means as boxes.
+
 >>> from tangentlens import report
 >>> fig = report.plot_depth_profile(session.results())
 """
@@ -13,28 +18,24 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from matplotlib import colormaps
-from matplotlib.cm import ScalarMappable
-from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
-from matplotlib.transforms import blended_transform_factory
+from matplotlib.patches import Rectangle
 
 from ..analysis.depth import DepthProfile, plot_profiles
 from ..analysis.heads import head_arrays
 from ..core.errors import UsageError
+from .claims import Estimate
+from .curves import energy_figure, isotropy_figure
+from .scope import describe_layers, describe_sites, describe_steps
+from .style import OKABE_ITO, SEQUENTIAL, figure, layer_colours, legend, step_axis
 from .table import (
-    ALPHA,
     CENTRES,
-    centres_text,
     correlations,
-    gradient,
     per_step,
     pick,
     prepare,
     residual_site,
     steps,
-    window_means,
-    window_spans,
 )
 
 __all__ = [
@@ -50,64 +51,29 @@ __all__ = [
 ]
 
 # Okabe & Ito (2008): distinguishable under the common colour-vision deficiencies.
-OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#000000")
-SEQUENTIAL = "cividis"  # perceptually uniform and colour-blind safe
-WINDOW_SHADE = {"early": 0.07, "late": 0.14}  # grey alpha: shading never competes with data
-_MAX_LINES = 6  # beyond this many checkpoints, profiles are drawn per window
+_MAX_LINES = 6  # beyond this many checkpoints, per-layer figures show the windows' ends
 
 
-def _groups(t: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """Line groups for per-layer profiles: each checkpoint, or each window when many."""
+def _groups(t: pd.DataFrame) -> list[tuple[str, int | None, pd.DataFrame]]:
+    """Single checkpoints for per-layer figures: each one when few, else the first and
+    last checkpoint of each window (a window's mean of per-layer intervals would be no
+    interval, and a single checkpoint keeps its own). Each: (label, step, its rows)."""
     seen = steps(t)
     if not seen:
-        return [("this checkpoint", t)]
-    if len(seen) <= _MAX_LINES:
-        return [(f"step {s}", t[t["step"] == s]) for s in seen]
-    groups = [(f"{w} window (mean)", t[t["window"] == w]) for w in ("early", "late")]
-    groups = [(label, g) for label, g in groups if len(g)]
-    return groups or [(f"step {s}", t[t["step"] == s]) for s in (seen[0], seen[-1])]
-
-
-# ----------------------------------------------------------------------------- style
-def _figure(ncols: int = 1, width: float = 6.0, height: float = 3.6) -> tuple[Figure, list]:
-    fig = Figure(figsize=(width * ncols, height), dpi=100, layout="constrained")
-    axes = fig.subplots(1, ncols, squeeze=False)[0]
-    for ax in axes:
-        ax.grid(True, color="#dddddd", linewidth=0.6)
-        ax.set_axisbelow(True)
-        ax.set_prop_cycle(color=OKABE_ITO)
-    return fig, list(axes)
-
-
-def _layer_colours(n: int) -> list:
-    cmap = colormaps[SEQUENTIAL]
-    return [cmap(0.8 * i / max(1, n - 1)) for i in range(n)]
-
-
-def _step_axis(ax: Any, t: pd.DataFrame) -> None:
-    """Symmetric-log step axis (Pythia-like schedules start at 0, 1, 2, 4, …) with the
-    early and late windows shaded."""
-    seen = steps(t)
-    if seen and seen[-1] > 8 * max(1, seen[1] if len(seen) > 1 else 1):
-        ax.set_xscale("symlog", linthresh=1)
-    top = blended_transform_factory(ax.transData, ax.transAxes)
-    for name, (lo, hi) in window_spans(t).items():
-        ax.axvspan(lo, hi, color="black", alpha=WINDOW_SHADE[name], lw=0)
-        ax.text((lo + hi) / 2 if hi > lo else lo, 0.98, f"{name}\nwindow", transform=top,
-                ha="center", va="top", fontsize=8, color="#333333")  # fmt: skip
-    ax.set_xlabel("training step")
-
-
-def _legend(fig: Figure, axes: list) -> None:
-    """One legend for the whole figure, below the panels (never over the data)."""
-    seen: dict[str, Any] = {}
-    for ax in axes:
-        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            seen.setdefault(label, handle)
-    if seen:
-        fig.legend(list(seen.values()), list(seen), loc="outside lower center",
-                   ncols=len(seen) if len(seen) <= 5 else -(-len(seen) // 2),
-                   fontsize=8, frameon=False)  # fmt: skip
+        return [("this checkpoint", None, t)]
+    if len(seen) > _MAX_LINES:
+        chosen = set()
+        for name in ("early", "late"):
+            in_window = sorted(int(s) for s in t.loc[t["window"] == name, "step"].dropna())
+            chosen |= {in_window[0], in_window[-1]} if in_window else set()
+        seen = sorted(chosen or {seen[0], seen[-1]})
+    windows = t.dropna(subset=["step"]).groupby("step")["window"].first()
+    out = []
+    for s in seen:
+        window = windows.get(s)
+        label = f"step {s}" + (f" ({window} window)" if window in ("early", "late") else "")
+        out.append((label, s, t[t["step"] == s]))
+    return out
 
 
 # ----------------------------------------------------------------------------- figures
@@ -147,14 +113,14 @@ def _profile(g: pd.DataFrame, site: str, intervals: bool) -> DepthProfile | None
 
 def _depth(t: pd.DataFrame) -> tuple[Figure, str] | None:
     site = residual_site(t)
-    groups = [(label, _profile(g, site, g["step"].nunique() <= 1)) for label, g in _groups(t)]
+    groups = [(label, _profile(g, site, True)) for label, _, g in _groups(t)]
     profiles = [(label, p) for label, p in groups if p is not None]
     if not profiles:
         return None
-    fig, axes = _figure(3, width=4.4)
+    fig, axes = figure(3, width=4.4)
     plot_profiles(profiles, axes, colours=OKABE_ITO, legend=False)
     axes[0].set_title(f"Residual stream ({site}): energy share in Q_T")
-    _legend(fig, axes)
+    legend(fig, axes)
     parts = []
     for label, profile in (profiles[0], profiles[-1]) if len(profiles) > 1 else profiles:
         layers = profile.to_frame()
@@ -163,23 +129,33 @@ def _depth(t: pd.DataFrame) -> tuple[Figure, str] | None:
         if len(s):
             text.append(f"residual share in Q_T {s.mean():.2f} (peak at layer {s.idxmax():.0f})")
         if len(e):
-            text.append(
-                f"gradient energy {e.mean():.2f}× the controls (peak at layer {e.idxmax():.0f})"
-            )
-        parts.append(f"{label}: " + ", ".join(text))
+            text.append(f"gradient energy ratio {e.mean():.2f} (peak at layer {e.idxmax():.0f})")
+        parts.append(f"{label[0].upper()}{label[1:]}: " + ", ".join(text))
     chance = pick(t, "chance_share", site=site, probe="residual")["value"]
     note = f"; chance share {chance.mean():.2f}" if len(chance) else ""
-    return fig, "Mean over layers, " + "; ".join(parts) + note + "."
+    layers = describe_layers(profiles[0][1].layers)
+    return fig, (
+        f"At {site}, {layers}; each number a mean over those layers at one checkpoint. "
+        + "; ".join(parts)
+        + note
+        + ". Bars: 95 % intervals over probe tokens, per layer "
+        "and checkpoint."
+    )
 
 
 def _heatmap(t: pd.DataFrame) -> tuple[Figure, str] | None:
     tt = pick(t, "score_share_TT").dropna(subset=["head", "layer"])
     if tt.empty:
         return None
-    panels = [(label, g) for label, g in _groups(tt)]
+    panels = _groups(tt)
     if len(panels) > 2:
         panels = [panels[0], panels[-1]]
-    grids = [head_arrays(g, "score_share_TT", mean=True).frame() for _, g in panels]
+    grids = [head_arrays(g, "score_share_TT", mean=True).frame() for _, _, g in panels]
+    zs = []
+    for _, step, _ in panels:
+        z = pick(t if step is None else t[t["step"] == step], "score_share_TT_z")
+        z = z.dropna(subset=["head", "layer"])
+        zs.append(head_arrays(z, "score_share_TT_z", mean=True).frame() if len(z) else None)
     n_layers, n_heads = grids[0].shape
     width = min(6.5, 2.2 + 0.45 * n_heads)
     fig = Figure(
@@ -189,8 +165,8 @@ def _heatmap(t: pd.DataFrame) -> tuple[Figure, str] | None:
     )
     axes = fig.subplots(1, len(grids), squeeze=False)[0]
     vmax = max(float(np.nanmax(g.to_numpy())) for g in grids)
-    image = None
-    for ax, (label, _), grid in zip(axes, panels, grids, strict=True):
+    image, hatched = None, 0
+    for ax, (label, _, _), grid, z in zip(axes, panels, grids, zs, strict=True):
         values = grid.to_numpy(dtype=float)
         image = ax.imshow(values, cmap=SEQUENTIAL, vmin=0, vmax=vmax, aspect="auto")
         ax.set_xticks(range(grid.shape[1]), [f"{int(h)}" for h in grid.columns])
@@ -198,120 +174,55 @@ def _heatmap(t: pd.DataFrame) -> tuple[Figure, str] | None:
         if grid.shape[0] > 16:
             for lbl in ax.get_yticklabels()[1::2]:
                 lbl.set_visible(False)
-        ax.set(xlabel="head", ylabel="layer", title=label if len(grids) > 1 else "")
+        ax.set(xlabel="head", ylabel="layer", title=label)
+        if z is not None:
+            near = z.reindex(index=grid.index, columns=grid.columns).abs().to_numpy() < 1.96
+            for i, j in zip(*np.nonzero(near), strict=True):
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///",
+                                       edgecolor="#D55E00", lw=0))  # fmt: skip
+            hatched += int(near.sum())
         if values.size <= 160:
             for (i, j), v in np.ndenumerate(values):
                 if np.isfinite(v):
                     colour = "black" if v > 0.6 * vmax else "white"
                     ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color=colour)
-    fig.colorbar(image, ax=list(axes), label="TT share of score energy")
-    fig.suptitle("Attention score from tangent query × tangent key (TT)")
+    fig.colorbar(image, ax=list(axes), label="score_share_TT (share of score energy)")
+    fig.suptitle("score_share_TT: attention score from tangent query × tangent key")
     last = grids[-1]
     layer, head = np.unravel_index(np.nanargmax(last.to_numpy()), last.shape)
+    null = (
+        " Hatched: heads within 1.96 null standard deviations of the random-frame null "
+        f"(|score_share_TT_z| < 1.96; {hatched} cells)."
+        if any(z is not None for z in zs)
+        else ""
+    )
     reading = (
-        f"The tangent–tangent term carries {np.nanmean(last.to_numpy()):.2f} of the score "
-        f"energy on average ({panels[-1][0]}); the most tangent head is layer "
-        f"{int(last.index[layer])}, head {int(last.columns[head])} "
-        f"({last.to_numpy()[layer, head]:.2f})."
+        f"Mean over the {last.size} heads of {describe_layers(last.index)} (attention "
+        f"input), {panels[-1][0]}: the tangent–tangent term carries "
+        f"{np.nanmean(last.to_numpy()):.2f} of the score energy; the most tangent head is "
+        f"layer {int(last.index[layer])}, head {int(last.columns[head])} "
+        f"({last.to_numpy()[layer, head]:.2f}).{null}"
     )
     return fig, reading
-
-
-def _energy(t: pd.DataFrame) -> tuple[Figure, str] | None:
-    site = residual_site(t)
-    ratio, pval = gradient(t, "energy_ratio"), gradient(t, "p_value")
-    if len(steps(ratio)) < 2:
-        return None
-    fig, (ax_r, ax_p) = _figure(2)
-    layers = sorted(ratio["layer"].dropna().unique())
-    colours = _layer_colours(len(layers))
-    for ax, frame in ((ax_r, ratio), (ax_p, pval)):
-        _step_axis(ax, t)
-        for colour, layer in zip(colours, layers, strict=True):
-            g = frame[frame["layer"] == layer].groupby("step")["value"].mean()
-            if len(g):
-                ax.plot(g.index, g.to_numpy(), "-", color=colour, lw=1.1, alpha=0.85,
-                        label=f"layer {int(layer)}" if len(layers) <= 8 else None)  # fmt: skip
-    mean = per_step(ratio)["mean"]
-    ax_r.plot(mean.index, mean.to_numpy(), "k-o", lw=2.2, ms=3, label="mean over layers")
-    ax_r.axhline(1.0, color="gray", ls=":", lw=1.2)
-    ax_r.set(title=f"Gradient energy ratio ({site})", ylabel="energy in Q_T / normal control")
-    if len(pval):
-        ax_p.set_yscale("log")
-        ax_p.axhline(ALPHA, color="#D55E00", ls="--", lw=1.2, label=f"α = {ALPHA}")
-        floor = float(pval["value"].min())
-        if (pval["value"] <= floor * (1 + 1e-9)).mean() > 0.2:  # many tests at the MC floor
-            ax_p.axhline(floor, color="gray", ls=":", lw=1.2,
-                         label=f"smallest p with these controls ({floor:.2g})")  # fmt: skip
-    ax_p.set(title="p-value against normal controls", ylabel="p-value (log)")
-    _legend(fig, [ax_r, ax_p])
-    if len(layers) > 8:
-        _layer_colourbar(fig, [ax_r, ax_p], layers)
-    early, late = window_means(ratio)
-    if early is None or late is None:
-        reading = f"Mean energy ratio goes from {mean.iloc[0]:.2f} to {mean.iloc[-1]:.2f}."
-    else:
-        trend = "weaker" if late < early else "stronger"
-        reading = (
-            f"Mean gradient energy ratio is {early:.2f}× the normal controls in the early "
-            "window and "
-            f"{late:.2f}× in the late window: the tangent concentration is {trend} late."
-        )
-    return fig, reading
-
-
-def _layer_colourbar(fig: Figure, axes: list, layers: list) -> None:
-    cmap = ListedColormap(_layer_colours(256))
-    mappable = ScalarMappable(Normalize(min(layers), max(layers)), cmap)
-    fig.colorbar(mappable, ax=axes, label="layer", fraction=0.04)
-
-
-def _isotropy(t: pd.DataFrame) -> tuple[Figure, str] | None:
-    site = residual_site(t)
-    d_t, d_n = gradient(t, "delta_iso_tangent"), gradient(t, "delta_iso_normal")
-    if d_t.empty or d_n.empty:
-        return None
-    fig, (ax,) = _figure(1, width=7.5)
-    series = (("remove Q_T", d_t, OKABE_ITO[5]), ("remove a normal control", d_n, OKABE_ITO[0]))
-    if len(steps(d_t)) >= 2:
-        _step_axis(ax, t)
-        for label, frame, colour in series:
-            s = per_step(frame)
-            ax.plot(s.index, s["mean"].to_numpy(), "o-", color=colour, ms=3, label=label)
-            ax.fill_between(s.index, s["min"], s["max"], color=colour, alpha=0.15, lw=0)
-        ax.set_title(f"ΔIsoScore* of the gradients ({site}; mean over layers, band: min–max)")
-    else:
-        layers = sorted(d_t["layer"].unique())
-        x = np.arange(len(layers))
-        for offset, (label, frame, colour) in zip((-0.2, 0.2), series, strict=True):
-            v = frame.groupby("layer")["value"].mean().reindex(layers)
-            ax.bar(x + offset, v.to_numpy(), width=0.4, color=colour, label=label)
-        ax.set_xticks(x, [f"{int(layer)}" for layer in layers])
-        ax.set_xlabel("layer")
-        ax.set_title(f"ΔIsoScore* of the gradients per layer ({site})")
-    ax.axhline(0.0, color="gray", lw=0.8)
-    ax.set_ylabel("ΔIsoScore* after removal")
-    _legend(fig, [ax])
-    mt, mn = float(d_t["value"].mean()), float(d_n["value"].mean())
-    more = "more" if mt > mn else "less"
-    return fig, (
-        f"Removing Q_T changes IsoScore* by {mt:+.3f} on average against {mn:+.3f} for a normal "
-        f"control: Q_T removal raises isotropy {more} than a control."
-    )
 
 
 def _frequency(t: pd.DataFrame) -> tuple[Figure, str] | None:
     present = list(correlations(t))
     if not present:
         return None
-    fig, axes = _figure(2)
+    fig, axes = figure(2)
     seen = steps(pick(t, f"pearson_{present[0]}"))
     for ax, kind in zip(axes, ("pearson", "spearman"), strict=True):
         if len(seen) >= 2:
-            _step_axis(ax, t)
+            step_axis(ax, t)
             for colour, centre in zip(OKABE_ITO, present, strict=False):
-                s = pick(t, f"{kind}_{centre}").groupby("step")["value"].mean()
-                ax.plot(s.index, s.to_numpy(), "o-", color=colour, ms=3, label=CENTRES[centre])
+                g = pick(t, f"{kind}_{centre}").groupby("step")[["value", "ci_low", "ci_high"]]
+                g = g.mean()
+                ax.plot(g.index, g["value"].to_numpy(), "o-", color=colour, ms=3,
+                        label=CENTRES[centre])  # fmt: skip
+                ci = g.dropna()
+                ax.fill_between(ci.index, ci["ci_low"], ci["ci_high"], color=colour,
+                                alpha=0.12, lw=0)  # fmt: skip
             null_m = pick(t, f"{kind}_weighted_null_mean").groupby("step")["value"].mean()
             null_s = pick(t, f"{kind}_weighted_null_std").groupby("step")["value"].mean()
             if len(null_m) and len(null_s):
@@ -319,21 +230,28 @@ def _frequency(t: pd.DataFrame) -> tuple[Figure, str] | None:
                                 color="gray", alpha=0.25, lw=0,
                                 label="weighted centre, null ± 2 sd")  # fmt: skip
         else:
-            vals = [float(pick(t, f"{kind}_{c}")["value"].mean()) for c in present]
-            ax.bar(range(len(present)), vals, color=OKABE_ITO[: len(present)])
+            rows = [pick(t, f"{kind}_{c}")[["value", "ci_low", "ci_high"]].mean() for c in present]
+            x = np.arange(len(present))
+            ax.bar(x, [r["value"] for r in rows], color=OKABE_ITO[: len(present)])
+            low, high = [r["ci_low"] for r in rows], [r["ci_high"] for r in rows]
+            ax.vlines(x, low, high, color="black", lw=1.2)
             labels = [CENTRES[c].replace(" ", "\n", 1) for c in present]
-            ax.set_xticks(range(len(present)), labels, fontsize=8)
+            ax.set_xticks(x, labels, fontsize=8)
         ax.axhline(0.0, color="gray", lw=0.8)
         ax.set_ylim(-1, 1)
         ax.set(title=f"{kind.title()} r: log frequency vs distance to centre", ylabel="r")
-    _legend(fig, axes)
-    last = seen[-1] if seen else None
-    text = centres_text(correlations(t))
-    where = f" at step {last}" if last is not None else ""
+    legend(fig, axes)
+    where = f"the last checkpoint ({describe_steps(seen[-1:])})" if seen else "this checkpoint"
+    shown = []
+    for centre in present:
+        rows = pick(t, f"pearson_{centre}")
+        rows = rows[rows["step"] == seen[-1]] if seen else rows
+        r = rows.iloc[0]
+        shown.append(f"{CENTRES[centre]} {Estimate(r['value'], r['ci_low'], r['ci_high'])}")
     return fig, (
-        f"Pearson r{where}: {text} (negative: frequent tokens sit closer to the centre; "
-        "correlations over the tokens seen in the corpus, as the study stores no per-token "
-        "distances)."
+        f"Pearson r at {where}, 95 % CI: {', '.join(shown)} (negative: frequent tokens sit "
+        "closer to the centre; over the embedding rows of the tokens seen in the corpus, as "
+        "the study stores no per-token distances). Bands and bars: 95 % intervals."
     )
 
 
@@ -353,7 +271,7 @@ def _dimension(t: pd.DataFrame) -> tuple[Figure, str] | None:
     names = [(n, label) for n, label in names if n in present]
     if not names:
         return None
-    fig, axes = _figure(len(names))
+    fig, axes = figure(len(names))
     readings = []
     for ax, (stat, label) in zip(axes, names, strict=True):
         rows = pick(t, stat)
@@ -366,8 +284,8 @@ def _dimension(t: pd.DataFrame) -> tuple[Figure, str] | None:
             rows = rows[rows["site"] == site]
         layers = sorted(rows["layer"].dropna().unique())
         if len(steps(rows)) >= 2:
-            _step_axis(ax, t)
-            colours = _layer_colours(len(layers))
+            step_axis(ax, t)
+            colours = layer_colours(len(layers))
             for colour, layer in zip(colours, layers, strict=True):
                 g = rows[rows["layer"] == layer].groupby("step")["value"].mean()
                 ax.plot(g.index, g.to_numpy(), "o-", ms=3, color=colour,
@@ -380,16 +298,17 @@ def _dimension(t: pd.DataFrame) -> tuple[Figure, str] | None:
             ax.set_xlabel("layer")
             readings.append(f"{label} {g.mean():.1f} on average")
         ax.set(title=f"{label} of activations" + (f" ({site})" if site else ""), ylabel=label)
-    _legend(fig, axes)
-    prefix = "Over training (mean over layers)" if len(steps(t)) >= 2 else "Mean over layers"
-    return fig, f"{prefix}: " + "; ".join(readings) + "."
+        where = describe_sites(rows)
+    legend(fig, axes)
+    span = describe_steps(steps(t)) if len(steps(t)) >= 2 else "this checkpoint"
+    return fig, f"Mean over {where}; {span}: " + "; ".join(readings) + "."
 
 
 FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], tuple[Figure, str] | None]]] = {
     "depth_profile": ("Depth profile", _depth),
-    "head_heatmap": ("Attention heads: tangent–tangent share of the score", _heatmap),
-    "energy_over_training": ("Gradient energy in Q_T over training", _energy),
-    "isotropy_removal": ("IsoScore* after removing Q_T vs a normal control", _isotropy),
+    "head_heatmap": ("Attention heads: tangent–tangent share of the score (TT)", _heatmap),
+    "energy_over_training": ("Gradient energy ratio over training", energy_figure),
+    "isotropy_removal": ("IsoScore* after removing Q_T vs a normal control", isotropy_figure),
     "frequency_distance": ("Token frequency vs distance to the embedding centre", _frequency),
     "intrinsic_dimension": ("Intrinsic dimension and effective rank", _dimension),
 }

@@ -1,6 +1,7 @@
 """The report page: one self-contained ``report.html`` (PNG figures inlined as base64,
 no network, no external CSS or JS) with the summary table on top, the figures, the
-configuration and the provenance; each figure is also saved under ``figures/``.
+configuration and the provenance (as tables: a reader compares settings, not JSON); each
+figure is also saved as a PNG in the page's figure folder.
 
 >>> from tangentlens import report
 >>> report.write_report("runs/study", "runs/study/report.html")   # a study's folder
@@ -12,7 +13,9 @@ import base64
 import datetime as _dt
 import html
 import io
-import json
+import os
+import struct
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,11 +27,18 @@ from ..core import results
 from ..core.files import read_json, write_bytes, write_text
 from ..core.results import frame
 from .claims import Claim
-from .figures import Rendered, render_figures
+from .figures import FIGURES, Rendered, render_figures
 from .summary import SummaryRow, summary
 from .table import prepare, ranks, steps
 
-__all__ = ["MANIFEST_FILE", "is_report", "load_results", "write_overview", "write_report"]
+__all__ = [
+    "MANIFEST_FILE",
+    "is_report",
+    "load_results",
+    "write_figures",
+    "write_overview",
+    "write_report",
+]
 
 MANIFEST_FILE = "manifest.json"
 _GENERATOR = '<meta name="generator" content="tangentlens">'
@@ -46,19 +56,78 @@ td.suggests{font-style:italic}small.detail{color:#555;display:block;margin-top:3
 figure{margin:26px 0;padding:0}figure h3{margin:0 0 6px}
 figure img{max-width:100%;height:auto;border:1px solid #e2e2e2}
 figcaption{font-size:15px;margin-top:4px}
-pre{background:#f6f8fa;border:1px solid #e2e2e2;padding:10px;overflow-x:auto;font-size:12px}
+table.kv{border-collapse:collapse;font-size:13px;margin:4px 0;max-width:100%}
+table.kv th,table.kv td{border:1px solid #ddd;padding:3px 8px;text-align:left;
+vertical-align:top;overflow-wrap:anywhere}table.kv th{background:#f6f8fa;font-weight:600;
+white-space:nowrap}table.kv table.kv{margin:0}code{overflow-wrap:anywhere;font-size:12px}
 """
+_MAX_LIST = 24  # items of a list shown inline; longer lists say how many more
 
 
-def _png(fig: Figure) -> bytes:
+def _png(fig: Figure, reading: str = "") -> bytes:
+    """The figure as PNG bytes, its reading in the PNG's own ``Description`` text, so a page
+    that shows the file later (the demo's overview) shows the caption made with it."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, facecolor="white")
+    meta = {"Description": reading} if reading else {}
+    fig.savefig(buf, format="png", dpi=110, facecolor="white", metadata=meta)
     return buf.getvalue()
 
 
-def _json_block(obj: Any) -> str:
-    text = json.dumps(obj, indent=2, sort_keys=True, default=str)
-    return f"<pre>{html.escape(text)}</pre>"
+def png_description(data: bytes) -> str:
+    """The ``Description`` text of a PNG (`_png` writes it), or "" when it has none."""
+    at = 8  # after the signature: length, type, data, CRC per chunk
+    while at + 8 <= len(data):
+        (size,) = struct.unpack(">I", data[at : at + 4])
+        kind, body = data[at + 4 : at + 8], data[at + 8 : at + 8 + size]
+        at += 12 + size
+        key, _, rest = body.partition(b"\0")
+        if key != b"Description":
+            continue
+        if kind == b"tEXt":
+            return rest.decode("latin-1")
+        if kind == b"iTXt" and len(rest) >= 2:
+            compressed, text = rest[0], rest[2:].split(b"\0", 2)[-1]
+            try:
+                return (zlib.decompress(text) if compressed else text).decode("utf-8")
+            except (zlib.error, UnicodeDecodeError):
+                return ""
+    return ""
+
+
+def _key_order(keys: list[str]) -> list[str]:
+    """Keys as written, except that keys which are all integers (steps) go in number order."""
+    if keys and all(k.lstrip("-").isdigit() for k in keys):
+        return sorted(keys, key=int)
+    return keys
+
+
+def _cell(value: Any) -> str:
+    """One value as HTML: a nested table for a mapping or a list of mappings, a list
+    inline, a number to four significant digits, a long token (a hash, a path) wrapped."""
+    esc = html.escape
+    if isinstance(value, Mapping):
+        return _kv_table(value) if value else "—"
+    if isinstance(value, list | tuple):
+        if value and all(isinstance(v, Mapping) for v in value):
+            return "".join(_kv_table(v) for v in value)
+        shown = ", ".join(_cell(v) for v in value[:_MAX_LIST])
+        more = f" … ({len(value) - _MAX_LIST} more)" if len(value) > _MAX_LIST else ""
+        return (shown + more) or "—"
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return esc(f"{value:.4g}")
+    text = str(value)
+    return f"<code>{esc(text)}</code>" if " " not in text and len(text) > 24 else esc(text)
+
+
+def _kv_table(obj: Mapping[str, Any], skip: tuple[str, ...] = ()) -> str:
+    keys = _key_order([str(k) for k in obj if str(k) not in skip])
+    by = {str(k): v for k, v in obj.items()}
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{_cell(by[k])}</td></tr>" for k in keys)
+    return f'<table class="kv">{rows}</table>'
 
 
 def _describe(t: pd.DataFrame, all_ranks: list[int], extra: list[str]) -> str:
@@ -101,12 +170,12 @@ def _html(
     if rows:
         out.append(
             '<table class="summary"><tr><th>Quantity</th><th>Measured here</th>'
-            "<th>Paper</th><th>Agrees</th></tr>"
+            "<th>Paper</th><th>Verdict</th></tr>"
         )
         for c in rows:
             out.append(
                 f"<tr><td>{esc(c.quantity)}</td><td>{esc(c.measured)}"
-                f"{_details(seeds=c.seeds, windows=c.windows)}</td>"
+                f"{_details(averages=c.scope, seeds=c.seeds, windows=c.windows)}</td>"
                 f'<td>{esc(c.paper)}</td><td class="{esc(c.agrees)}">{esc(c.agrees)}</td></tr>'
             )
         out.append("</table>")
@@ -123,9 +192,10 @@ def _html(
             f"<figcaption>{esc(rendered.reading)}</figcaption></figure>"
         )
     out.append("<h2>Configuration</h2>")
-    out.append(_json_block(config) if config else "<p>Not recorded.</p>")
+    out.append(_kv_table(config) if config else "<p>Not recorded.</p>")
     out.append("<h2>Provenance</h2>")
-    out.append(_json_block(manifest) if manifest else "<p>No manifest.</p>")
+    # the configuration is shown once, above
+    out.append(_kv_table(manifest, skip=("config",)) if manifest else "<p>No manifest.</p>")
     out.append("</body></html>")
     return "\n".join(out) + "\n"
 
@@ -184,14 +254,17 @@ def write_report(
     *,
     title: str = "tangentlens report",
     rank: int | None = None,
+    figures_dir: str | Path | None = None,
 ) -> Path:
-    """Write one self-contained HTML report and ``figures/*.png`` beside it.
+    """Write one self-contained HTML report and each figure as a PNG.
 
     ``source``: a results folder (reads its table, its `sub_tables` and ``manifest.json``;
     the config defaults to the manifest's ``config``) or a long
     DataFrame. ``out_path``: the HTML file (an existing folder gets ``report.html``).
     ``rank``: which rank of Q_T the figures show (default: the smallest; the page says
-    which). Returns the HTML path.
+    which). ``figures_dir``: where the PNGs go (default: ``figures/`` beside the page, the
+    layout of a run's own folder; `tangentlens.report.render` gives a page elsewhere a
+    folder named after it). Returns the HTML path.
     """
     extra: list[str] = []
     if isinstance(source, pd.DataFrame):
@@ -207,14 +280,34 @@ def write_report(
     table = prepare(full, rank=rank)
     description = _describe(table, ranks(frame(full)), extra)
     out = _target(out_path)
-    figures_dir = out.parent / "figures"
-    rendered = []
-    for fig in render_figures(table):
-        png = _png(fig.figure)
-        write_bytes(figures_dir / f"{fig.name}.png", png)
-        rendered.append((fig, png))
+    figures_dir = out.parent / "figures" if figures_dir is None else Path(figures_dir)
+    rendered = _write_figures(table, figures_dir)
     page = _html(table, description, summary(table), rendered, config, manifest, title)
     return write_text(out, page)
+
+
+def _write_figures(table: pd.DataFrame, folder: Path) -> list[tuple[Rendered, bytes]]:
+    rendered = []
+    for fig in render_figures(table):
+        png = _png(fig.figure, fig.reading)
+        write_bytes(folder / f"{fig.name}.png", png)
+        rendered.append((fig, png))
+    return rendered
+
+
+def write_figures(
+    source: str | Path | pd.DataFrame, folder: str | Path, *, rank: int | None = None
+) -> list[Path]:
+    """Every figure of a results folder or table as ``folder/{name}.png``, without a page
+    (an overview inlines them); returns the files written."""
+    full = source if isinstance(source, pd.DataFrame) else load_results(source)
+    written = _write_figures(prepare(full, rank=rank), Path(folder))
+    return [Path(folder) / f"{fig.name}.png" for fig, _ in written]
+
+
+def _figure_files(folder: Path) -> list[Path]:
+    """The report's figures in ``folder``, in report order (nothing else that lies there)."""
+    return [folder / f"{name}.png" for name in FIGURES if (folder / f"{name}.png").is_file()]
 
 
 def write_overview(
@@ -223,23 +316,28 @@ def write_overview(
     out_path: str | Path,
     *,
     title: str = "tangentlens demo: decoder and encoder",
+    figures: Mapping[str, Path] | None = None,
 ) -> Path:
     """One self-contained page for several studies side by side: the paper's claims with
-    the numbers (value [95 % interval]) and a verdict per model and gradient object, then
-    each study's figures (from its ``figures/``) and a link to its own report."""
+    the numbers (value [95 % interval]), what each averages and a verdict per model and
+    gradient object, then each study's figures (from ``figures[name]``, by default its
+    ``figures/``) and a link to its own report."""
     esc = html.escape
     out = Path(out_path)
     rows = "".join(
         f"<tr><td>{esc(c.paper)}</td><td>{esc(c.model)}</td>"
         f"<td>{esc(c.gradient_object)}</td><td>{esc(c.statistic)} (rank {c.rank})</td>"
         f"<td>{esc(c.describe_numbers())}"
-        f"{_details(seeds=c.describe_seeds(), windows=c.describe_panel())}</td>"
+        f"{_details(averages=c.scope, seeds=c.describe_seeds(), windows=c.describe_panel())}"
+        "</td>"
         f'<td class="{esc(c.verdict)}">{esc(c.verdict)}</td></tr>'
         for c in claims
     )
     body = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        _GENERATOR,
         f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
         '<p class="meta">With several training seeds a verdict comes from the between-seed '
@@ -254,12 +352,19 @@ def write_overview(
         f"<th>Statistic</th><th>Measured</th><th>Verdict</th></tr>{rows}</table>",
     ]
     for name, folder in folders.items():
-        body.append(f'<h2>{esc(name)} <a href="{esc(name)}/report.html">(full report)</a></h2>')
-        for png in sorted(Path(folder, "figures").glob("*.png")):
-            data = base64.b64encode(png.read_bytes()).decode("ascii")
+        link = html.escape(
+            Path(os.path.relpath(Path(folder, "report.html"), out.parent)).as_posix()
+        )
+        body.append(f'<h2>{esc(name)} <a href="{link}">(full report)</a></h2>')
+        shown = (figures or {}).get(name, Path(folder, "figures"))
+        for png in _figure_files(Path(shown)):
+            raw = png.read_bytes()
+            data = base64.b64encode(raw).decode("ascii")
+            heading = FIGURES[png.stem][0]
             body.append(
-                f"<figure><h3>{esc(png.stem.replace('_', ' '))}</h3>"
-                f'<img src="data:image/png;base64,{data}" alt="{esc(png.stem)}"></figure>'
+                f"<figure><h3>{esc(heading)}</h3>"
+                f'<img src="data:image/png;base64,{data}" alt="{esc(heading)}">'
+                f"<figcaption>{esc(png_description(raw))}</figcaption></figure>"
             )
     body.append("</body></html>")
     return write_text(out, "\n".join(body) + "\n")

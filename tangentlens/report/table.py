@@ -53,7 +53,8 @@ def ranks(results: pd.DataFrame) -> list[int]:
 def prepare(results: pd.DataFrame, *, rank: int | None = None) -> pd.DataFrame:
     """The table in the results schema, reduced to one rank of Q_T: ``rank``, or the
     smallest when the table holds several (the report says which it shows). Rows
-    without a rank (per-checkpoint losses, embedding correlations) are kept."""
+    without a rank (per-checkpoint losses, embedding correlations) are kept; a table
+    without intervals gets empty ``ci_low``/``ci_high`` columns."""
     if not isinstance(results, pd.DataFrame):
         raise TypeError(f"results must be a pandas DataFrame; got {type(results).__name__}.")
     try:
@@ -63,6 +64,9 @@ def prepare(results: pd.DataFrame, *, rank: int | None = None) -> pd.DataFrame:
             f"not a tangentlens results table ({err}); re-create it with `tangentlens study` "
             "or `tangentlens probe`."
         ) from err
+    for column in ("ci_low", "ci_high"):  # a table without intervals draws none
+        if column not in t.columns:
+            t = t.assign(**{column: np.nan})
     present = ranks(t)
     if rank is not None and rank not in present:
         raise UsageError(f"the table has no rows of rank {rank}; it holds ranks {present}.")

@@ -37,8 +37,9 @@ from ..core.settings import STUDY
 from .claims import OBJECTS, Claim, Estimate, PanelEntry, SeedEstimate
 from .panel import DEFINITIONS, object_rows, panel_windows, window_mean
 from .replication import holm, t_interval, t_p_value, welch_interval, welch_p_value
+from .scope import claim_scope
 
-__all__ = ["TAU", "paper_claims"]
+__all__ = ["TAU", "combined_verdict", "interval_side", "paper_claims"]
 
 TAU = 2.0
 # the window statistic each gradient object's claims read (the weight gradient's over the
@@ -71,6 +72,23 @@ def _side(low: float | None, high: float | None, line: float, above_agrees: bool
     if high < line:
         return -1 if above_agrees else 1
     return 0
+
+
+def interval_side(low: float | None, high: float | None, line: float, above_agrees: bool) -> int:
+    """+1 where the interval [low, high] lies on the claim's side of ``line``, −1 where it
+    lies on the other side, 0 where it crosses the line or is missing."""
+    return _side(low, high, line, above_agrees)
+
+
+def combined_verdict(sides: list[int]) -> str:
+    """One checkpoint of one model, several sites or centres: each interval can only
+    suggest (docs/VERDICTS.md, one seed), and the claim is suggested only where every
+    interval lies on the same side, else ``inconclusive``."""
+    if sides and all(s == 1 for s in sides):
+        return "suggests agrees"
+    if sides and all(s == -1 for s in sides):
+        return "suggests disagrees"
+    return "inconclusive"
 
 
 def _word(side: int, *, suggests: bool) -> str:
@@ -238,8 +256,15 @@ def _draft(
         between=between, panel=panel, threshold=tau,
         strength=None if tau is None else _strength(shown.low, tau),
         p_value=t_p_value(values, line) if between is not None else None,
+        scope=claim_scope(_first(seeds), name, obj, rank),
     )  # fmt: skip
     return _Draft(claim, line, above_agrees, values)
+
+
+def _first(seeds: Seeds) -> pd.DataFrame:
+    """The first seed's table: the seeds of one design share sites and windows, so its
+    scope is every seed's."""
+    return next(iter(seeds.values()))
 
 
 def _frequency(model: str, seeds: Seeds, rank: int) -> _Draft | None:
@@ -267,6 +292,7 @@ def _frequency(model: str, seeds: Seeds, rank: int) -> _Draft | None:
         shown or Estimate(math.nan, math.nan, math.nan), "inconclusive", context,
         per_seed=tuple(SeedEstimate(model, s, e) for s, e in zip(seeds, weighted, strict=True)),
         between=between, p_value=p,
+        scope=claim_scope(_first(seeds), "frequency", "embedding", rank),
     )  # fmt: skip
     return _Draft(claim, 0.0, False, [e.value for e in weighted if e], sides=sides)
 
@@ -303,6 +329,7 @@ def _compare(
             d.estimate, "inconclusive", context, per_seed=d.per_seed + e.per_seed,
             between=between, panel=_panel(panels, 0.0, True),
             p_value=welch_p_value(dec.values, enc.values),
+            scope=f"decoder: {d.scope}; encoder: {e.scope}" if d.scope else "",
         )  # fmt: skip
         draft = _Draft(claim, 0.0, True, dec.values, enc.values)
         if between is None:  # one seed: disjoint token intervals
