@@ -333,23 +333,30 @@ def uniform_controls(d: int, k: int, n: int, seed: int = 0) -> Tensor:
 def tangent_share(matrix: Tensor | Moments, basis: TangentBasis | Tensor) -> float:
     """tr(QᵀMQ)/tr(M): the share of a symmetric PSD matrix's energy that lies in span(Q).
 
-    A `Moments` stands for its uncentred second moment E[x xᵀ], so the share is
-    E‖xᵀQ‖²/E‖x‖², the energy a gradient or a residual write carries, mean included.
+    A `Moments` stands for its uncentred second moment E[x xᵀ] = C + μμᵀ, so the share is
+    E‖xᵀQ‖²/E‖x‖², the energy a gradient or a residual write carries, mean included; it
+    is read as (tr(QᵀCQ) + ‖Qᵀμ‖²)/(tr C + ‖μ‖²), which never forms the d × d sum.
     Every share in tangentlens goes through here, so tables agree to the last digit.
     """
-    m = matrix.second_moment() if isinstance(matrix, Moments) else torch.as_tensor(matrix)
     q = _basis_q(basis)
     d = q.shape[0]
+    moments = isinstance(matrix, Moments)
+    m = matrix.covariance() if moments else torch.as_tensor(matrix)
     if tuple(m.shape) != (d, d):
         raise UsageError(
             f"matrix must be ({d}, {d}) to match the basis; got {tuple(m.shape)}. "
             "Was the basis fitted at another site?"
         )
     m = m.to(torch.float64)
-    total = float(torch.trace(m))
+    q = q.to(m.device)
+    tangent, total = ((m @ q) * q).sum(), torch.trace(m)
+    if moments:
+        mean = matrix.mean.to(m)
+        tangent, total = tangent + (mean @ q).pow(2).sum(), total + mean @ mean
+    total = float(total)
     if not total > 0:
         raise UsageError(f"tr(M) = {total}: there is no energy to share (all-zero vectors?).")
-    return float(((m @ q.to(m.device)) * q.to(m.device)).sum()) / total
+    return float(tangent) / total
 
 
 def shares(tangent_energy: float, total_energy: float, k: int, d: int) -> dict[str, float]:
