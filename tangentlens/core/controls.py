@@ -55,10 +55,10 @@ def draw_frames(dim: int, k: int, n: int, seed: int, *, exact: bool = False) -> 
     as a basis (`TangentBasis` checks orthonormality).
     """
     gen = torch.Generator().manual_seed(seed)
-    out = torch.empty(n, dim, k, dtype=torch.float64 if exact else NULL_DTYPE)
+    out = torch.empty(n, dim, k, dtype=torch.float64 if exact else NULL_DTYPE, device="cpu")
     for start in range(0, n, CHUNK):
         # float32 draws (cheaper than float64; the frame itself is formed in float64)
-        z = torch.randn(min(CHUNK, n - start), dim, k, generator=gen).double()
+        z = torch.randn(min(CHUNK, n - start), dim, k, generator=gen, device="cpu").double()
         if exact:
             q = _householder_q(z)
         else:
@@ -154,7 +154,7 @@ def _normal_rows(frames: Tensor) -> Rows:
     """L⁻¹ and G's row products for ``frames`` F = [A; B]: G R = B (float64 QR), L = Rᵀ."""
     k = frames.shape[-1]
     g, r = torch.linalg.qr(frames[:, k:].double())
-    eye = torch.eye(k, dtype=torch.float64).expand_as(r)
+    eye = torch.eye(k, dtype=torch.float64, device=r.device).expand_as(r)
     inv = torch.linalg.solve_triangular(r.mT, eye, upper=False)
     return Rows.of(inv.to(NULL_DTYPE), g.to(NULL_DTYPE))
 

@@ -96,8 +96,10 @@ def isoscore_from_traces(trace: Tensor | float, trace_sq: Tensor | float, d: int
     Works elementwise on batches of traces (one per control, say)."""
     if d < 2:
         raise UsageError(f"IsoScore needs d >= 2 dimensions; got {d}.")
-    trace = torch.as_tensor(trace, dtype=torch.float64)
-    trace_sq = torch.as_tensor(trace_sq, dtype=torch.float64)
+    trace, trace_sq = (
+        t.to(torch.float64) if isinstance(t, Tensor) else torch.as_tensor(t, dtype=torch.float64)
+        for t in (trace, trace_sq)
+    )
     if bool((trace_sq <= 0).any()):
         raise UsageError("the covariance is zero: IsoScore is undefined for constant data.")
     return (trace**2 / trace_sq - 1) / (d - 1)

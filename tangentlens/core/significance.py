@@ -571,7 +571,7 @@ def matrix_tests(
     (uniform controls), ``p_value_normal`` (normal controls; left out when 2k > d) and,
     with ``activation_moments``, ``normalized_ratio``.
     """
-    h = torch.as_tensor(matrix)
+    h = matrix if isinstance(matrix, Tensor) else torch.as_tensor(matrix)
     if h.ndim != 2 or h.shape[0] != h.shape[1] or not bool(torch.isfinite(h).all()):
         raise UsageError(f"matrix must be a finite square (d, d) tensor; got {tuple(h.shape)}.")
     _check_basis(basis, h.shape[0], "the matrix")
