@@ -30,10 +30,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 import warnings
+from collections.abc import Callable
 
 import torch
-from _timing import timed
+from _timing import device_timed
 
 from tangentlens import models
 from tangentlens.probes import fit_bases, lm_loss, probe
@@ -57,25 +59,37 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):6.2f}x  ({min(values):.2f}-{max(values):.2f})"
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The curve's options (`bench_gpu` reads the same)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,4,16,32", help="comma-separated B values")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--layers", default="all", help="all, or comma-separated layer indices")
     ap.add_argument("--breakdown", action="store_true", help="also each probe alone")
     ap.add_argument("--quick", action="store_true", help="layers 0,1; B = 1,2; one repeat")
-    args = ap.parse_args()
+    return ap
+
+
+def curve(args: argparse.Namespace, device: str = "cpu", deadline: float | None = None) -> None:
+    """Time the curve of ``args`` on ``device`` and print it; on a device other than the
+    CPU each time waits for the device's queued work (`_timing.device_timed`). Past
+    ``deadline`` (a `time.monotonic` value) no further B is started: the slopes are then
+    fitted over the B that ran."""
     if args.quick:
         args.layers, args.batches, args.repeat = "0,1", "1,2", 1
     warnings.simplefilter("ignore")
     print(f"load average {os.getloadavg()}, {torch.get_num_threads()} threads", flush=True)
     sizes = sorted({int(b) for b in args.batches.split(",")})
-    bridge, tok = models.load("smollm2-135m")
+    bridge, tok = models.load("smollm2-135m", device=device)
     layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     gen = torch.Generator().manual_seed(0)
     fit = [torch.randint(0, len(tok), (BATCH, POS), generator=gen) for _ in range(2)]
     data = [torch.randint(0, len(tok), (BATCH, POS), generator=gen) for _ in range(sizes[-1])]
+    fit, data = [x.to(device) for x in fit], [x.to(device) for x in data]
     bases = fit_bases(bridge, fit, rank=16, layers=layers, progress=False)
+
+    def timed(fn: Callable[[], object]) -> float:
+        return device_timed(fn, torch.device(device))
 
     def bare_fb(batches: list[torch.Tensor]) -> None:
         for ids in batches:
@@ -94,9 +108,13 @@ def main() -> None:
 
     names = [("all", PROBES)] + ([(n, (n,)) for n in PROBES] if args.breakdown else [])
     out: dict[str, list[float]] = {}
+    ran: list[int] = []  # the B of the first repeat; later repeats run the same
     for r in range(args.repeat):
         times: dict[str, list[float]] = {}
-        for b in sizes:
+        for b in sizes if r == 0 else ran:
+            if r == 0 and deadline is not None and len(ran) >= 2 and time.monotonic() > deadline:
+                print(f"past the time budget: B > {ran[-1]} left out", flush=True)
+                break
             batches = data[:b]
             for label, chosen in names:
                 t_bare = timed(lambda bs=batches: bare_fb(bs))
@@ -116,6 +134,8 @@ def main() -> None:
             )
             times.setdefault("fwd", []).append(t_fwd)
             times.setdefault("fit", []).append(t_fit)
+            if r == 0:
+                ran.append(b)
             print(
                 f"repeat {r} B={b}: bare {times['bare/all'][-1]:.1f} s, "
                 f"pass {times['pass/all'][-1]:.1f} s, "
@@ -123,30 +143,37 @@ def main() -> None:
                 f"fwd {t_fwd:.1f} s, fit_bases {t_fit:.1f} s; load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
-        bare_slope, _ = _line(sizes, times["bare/all"])
+        bare_slope, _ = _line(ran, times["bare/all"])
         for label, _ in names:
-            slope, _ = _line(sizes, times[f"pass/{label}"])
-            own, _ = _line(sizes, times[f"bare/{label}"])
+            slope, _ = _line(ran, times[f"pass/{label}"])
+            own, _ = _line(ran, times[f"bare/{label}"])
             key = "pass slope" if label == "all" else f"{label} alone adds"
             out.setdefault(key, []).append(slope / own - (label != "all"))
         out.setdefault("results (fixed)", []).append(
             statistics.fmean(times["results"]) / bare_slope
         )
-        fwd_slope, _ = _line(sizes, times["fwd"])
-        fit_slope, fit_fixed = _line(sizes, times["fit"])
+        fwd_slope, _ = _line(ran, times["fwd"])
+        fit_slope, fit_fixed = _line(ran, times["fit"])
         out.setdefault("fit_bases slope", []).append(fit_slope / fwd_slope)
         out.setdefault("fit_bases fixed", []).append(fit_fixed / fwd_slope)
-        for i, b in enumerate(sizes):
+        for i, b in enumerate(ran):
             end = times["pass/all"][i] + times["results"][i]
             out.setdefault(f"end to end B={b}", []).append(end / times["bare/all"][i])
             out.setdefault(f"fit_bases B={b}", []).append(times["fit"][i] / times["fwd"][i])
+        if deadline is not None and time.monotonic() > deadline and r + 1 < args.repeat:
+            print(f"past the time budget: {args.repeat - r - 1} repeat(s) left out", flush=True)
+            break
     print(
-        f"\nSmolLM2-135M, {len(bases)} bases, layers={args.layers}, B={sizes}, "
+        f"\nSmolLM2-135M on {device}, {len(bases)} bases, layers={args.layers}, B={ran}, "
         f"{BATCH}x{POS} tokens a batch, repeats={args.repeat}; load average {os.getloadavg()}"
     )
     print("slopes: per batch over the bare slope; fixed: in bare passes (fwd+bwd or fwd)")
     for key, values in out.items():
         print(f"{key:>24}: {_spread(values)}")
+
+
+def main() -> None:
+    curve(parser().parse_args())
 
 
 if __name__ == "__main__":

@@ -119,8 +119,8 @@ def tridiagonalize(matrix: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor
     the diagonal) and their scalars τ."""
     n = matrix.shape[0]
     if n == 0:  # scipy's wrapper takes no empty matrix
-        empty = torch.empty(0, dtype=torch.float64)
-        return empty, empty, (torch.empty(0, 0, dtype=torch.float64), empty)
+        empty = torch.empty(0, dtype=torch.float64, device="cpu")
+        return empty, empty, (empty.new_empty(0, 0), empty)
     a = _fortran(matrix)  # lower: the reflectors act below the first row, e₁ stays fixed
     with _blas().limit(limits=1, user_api="blas"):
         lwork, info = scipy.linalg.lapack.dsytrd_lwork(n, lower=1)

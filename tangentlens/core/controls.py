@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 CHUNK = 512  # frames per batch of algebra
+GROUP_FLOATS = 2**18  # a group of frames' complement rows in `_banded_gram`: 1 MiB
 CACHE_BYTES = 512 * 2**20
 NULL_DTYPE = torch.float32
 """The controls' traces: rounding error far inside their Monte-Carlo error, at less cost
@@ -54,10 +55,10 @@ def draw_frames(dim: int, k: int, n: int, seed: int, *, exact: bool = False) -> 
     as a basis (`TangentBasis` checks orthonormality).
     """
     gen = torch.Generator().manual_seed(seed)
-    out = torch.empty(n, dim, k, dtype=torch.float64 if exact else NULL_DTYPE)
+    out = torch.empty(n, dim, k, dtype=torch.float64 if exact else NULL_DTYPE, device="cpu")
     for start in range(0, n, CHUNK):
         # float32 draws (cheaper than float64; the frame itself is formed in float64)
-        z = torch.randn(min(CHUNK, n - start), dim, k, generator=gen).double()
+        z = torch.randn(min(CHUNK, n - start), dim, k, generator=gen, device="cpu").double()
         if exact:
             q = _householder_q(z)
         else:
@@ -153,7 +154,7 @@ def _normal_rows(frames: Tensor) -> Rows:
     """L⁻¹ and G's row products for ``frames`` F = [A; B]: G R = B (float64 QR), L = Rᵀ."""
     k = frames.shape[-1]
     g, r = torch.linalg.qr(frames[:, k:].double())
-    eye = torch.eye(k, dtype=torch.float64).expand_as(r)
+    eye = torch.eye(k, dtype=torch.float64, device=r.device).expand_as(r)
     inv = torch.linalg.solve_triangular(r.mT, eye, upper=False)
     return Rows.of(inv.to(NULL_DTYPE), g.to(NULL_DTYPE))
 
@@ -212,8 +213,9 @@ class SiteFrames:
     product) and the isotropy test (βM) with both kinds of controls.
 
     U = C·H·Q_K is never formed: C the complement columns of the Householder QR of Q_T
-    (applied to M as its k reflectors, `torch.ormqr`, O(d²k)), H a reflection that makes
-    ``rank_one``'s part in the complement the first coordinate, Q_K LAPACK's tridiagonal
+    (applied to M in compact WY form, together with H: one rank-(2k + 2) update of M,
+    O(d²k), `_complement_arrow`), H a reflection that makes ``rank_one``'s part in the
+    complement the first coordinate, Q_K LAPACK's tridiagonal
     reduction (`compute.tridiagonalize`: half an eigendecomposition), which keeps that
     coordinate. So where M has a null space (fewer samples than d), ``rank_one`` lies in
     the first coordinate and what is left of the null space is invisible to every trace:
@@ -229,20 +231,16 @@ class SiteFrames:
         m, q_t = m.detach().double(), q_t.detach().to(m.device, torch.float64)
         d, k = q_t.shape
         self.d, self.k, self.q_t = d, k, q_t
-        m = (m + m.T) / 2
-        self.t = q_t.T @ m @ q_t
-        # H, the Q of Q_T's Householder QR, is [Q_T·diag(signs), C]; HᵀMH, symmetric
+        if not torch.equal(m, m.mT):  # moments' covariances are symmetric bit for bit
+            m = (m + m.mT) / 2
+        t = q_t.T @ (m @ q_t)
+        self.t = (t + t.T) / 2
+        # H, the Q of Q_T's Householder QR, is [Q_T·diag(signs), C]
         self._qr = a, tau = torch.geqrf(q_t)
         signs = torch.where(a.diagonal() < 0, -1.0, 1.0).to(q_t.dtype)
-        mh = torch.ormqr(a, tau, torch.ormqr(a, tau, m, transpose=True).mT, transpose=True)
-        mh = (mh + mh.mT) / 2
-        x0, block = signs[:, None] * mh[:k, k:], mh[k:, k:].contiguous()
-        self._reflection = None
-        if rank_one is not None:
-            r = rank_one.detach().to(m)
-            r_c = torch.ormqr(a, tau, r[:, None], transpose=True)[k:, 0]
-            self._reflection = _reflector(r_c)
-            block, x0, r_c = _reflected(self._reflection, block, x0, r_c)
+        r = None if rank_one is None else rank_one.detach().to(m)
+        block, x0, r_c, self._reflection = _complement_arrow(m, a, tau, r)
+        x0 = signs[:, None] * x0
         self._reduction = _reduce(block)
         alpha, beta = self._reduction.alpha, self._reduction.beta
         # float32 copies scaled to ‖M‖_F = 1, entries under 1e-12 of it set to 0:
@@ -258,7 +256,7 @@ class SiteFrames:
         xk[:, :-1] += x[:, 1:] * beta
         low = {"alpha": alpha, "beta": beta, "x": x, "xk": xk, "t": self.t.cpu() / self.scale}
         low |= {"xxt": x @ x.T, "k2": _squared_bands(alpha, beta)}
-        if rank_one is not None:
+        if r is not None:
             root = self.scale**0.5
             m_c = self._reduction.apply(r_c[None])[0]
             low |= {"m_t": (q_t.T @ r).cpu() / root, "m_c": m_c / root}
@@ -280,8 +278,10 @@ class SiteFrames:
         controls. float64 on M's device, computed in `NULL_DTYPE` on the CPU."""
         draw = control_frames(self.d, self.k, n, int(seed))
         rows = draw.normal() if normal else None
-        # one buffer for every chunk's K·B: a fresh one each chunk costs its page faults
-        work = draw.frames.new_empty(min(n, CHUNK), self.d - self.k, self.k) if squares else None
+        # one buffer for every group's K·B, a group of frames small enough that its
+        # complement rows and their K·B stay in a core's cache (`_banded_gram`)
+        group = min(n, max(4, GROUP_FLOATS // max((self.d - self.k) * self.k, 1)))
+        work = draw.frames.new_empty(group, self.d - self.k, self.k) if squares else None
         parts = [
             _null_traces(
                 self,
@@ -347,17 +347,52 @@ def _reflector(r: Tensor) -> tuple[Tensor, float] | None:
     return u, 2 / float(u @ u)
 
 
-def _reflected(
-    reflection: tuple[Tensor, float] | None, block: Tensor, x0: Tensor, r: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """H·block·H, x0·H and H·r for the reflection H of `_reflector` (none: unchanged)."""
-    if reflection is None:
-        return block, x0, r
-    u, p = reflection
-    w = p * (block @ u)
-    z = w - (p / 2) * (u @ w) * u
-    block = block - torch.outer(u, z) - torch.outer(z, u)
-    return block.contiguous(), x0 - p * torch.outer(x0 @ u, u), r - p * (u @ r) * u
+def _compact_wy(a: Tensor, tau: Tensor) -> tuple[Tensor, Tensor]:
+    """``(V, T)`` with H = I − V·T·Vᵀ for the reflectors of a `torch.geqrf` ``(a, tau)``:
+    V unit lower trapezoidal, T upper triangular (LAPACK ``dlarft``'s recurrence, exact
+    where a τ is 0), so H's products are GEMMs."""
+    d, k = a.shape
+    v = a.tril(-1) + torch.eye(d, k, dtype=a.dtype, device=a.device)
+    vtv = v.T @ v
+    t = torch.diag(tau)
+    for i in range(1, k):
+        t[:i, i] = -tau[i] * (t[:i, :i] @ vtv[:i, i])
+    return v, t
+
+
+def _complement_arrow(
+    m: Tensor, a: Tensor, tau: Tensor, r: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, float] | None]:
+    """``(block, x0, r_c, reflection)`` for H = I − V·T·Vᵀ = [Q_T·diag(signs), C], the
+    Householder Q of ``(a, tau)``: block = R·CᵀMC·R and x0 = diag(signs)·Q_TᵀMC·R, with r_c =
+    R·Cᵀr and R the `_reflector` that maps Cᵀr onto e₁ (R = I without ``r``).
+
+    HᵀMH = M − X·Vᵀ − V·Xᵀ with X = MVT − ½V·(TᵀVᵀMV·T), so the block, its reflection
+    included, is one symmetric rank-(2k + 2) update of M's trailing block: one GEMM that
+    writes the only (d − k)² array, where applying the reflectors to M from both sides
+    passes over d × d arrays several times."""
+    k = a.shape[1]
+    v, t = _compact_wy(a, tau)
+    w = m @ v
+    g = t.T @ (v.T @ w) @ t
+    x = w @ t - 0.5 * (v @ ((g + g.T) / 2))
+    v1, v2, x1, x2 = v[:k], v[k:], x[:k], x[k:]
+    x0 = m[:k, k:] - x1 @ v2.T - v1 @ x2.T
+    left, right = [x2, v2], [v2, x2]
+    r_c = reflection = None
+    if r is not None:
+        r_c = (r - v @ (t.T @ (v.T @ r)))[k:]
+        reflection = _reflector(r_c)
+    if reflection is not None:
+        u, p = reflection
+        bu = m[k:, k:] @ u - x2 @ (v2.T @ u) - v2 @ (x2.T @ u)  # the block times u
+        z = p * bu
+        z = z - (p / 2) * (u @ z) * u
+        left, right = [*left, u[:, None], z[:, None]], [*right, z[:, None], u[:, None]]
+        x0 = x0 - p * torch.outer(x0 @ u, u)
+        r_c = r_c - p * (u @ r_c) * u
+    block = torch.addmm(m[k:, k:], torch.cat(left, 1), torch.cat(right, 1).T, alpha=-1)
+    return block, x0, r_c, reflection
 
 
 def _squared_bands(alpha: Tensor, beta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -367,12 +402,30 @@ def _squared_bands(alpha: Tensor, beta: Tensor) -> tuple[Tensor, Tensor, Tensor]
     return alpha**2 + left**2 + right**2, beta * (alpha[:-1] + alpha[1:]), beta[:-1] * beta[1:]
 
 
+def _banded_gram(b: Tensor, alpha: Tensor, beta: Tensor, work: Tensor) -> Tensor:
+    """BᵀKB for each frame's complement rows B in ``b`` ``(n, d − k, k)`` and the
+    tridiagonal K (diagonal α, off-diagonal β): BᵀY + YᵀB with Y = (diag(α)/2 + the upper
+    band of K)·B. Y is formed for ``len(work)`` frames at a time, in ``work``, so each
+    group's B and Y are read from a core's cache by the product that follows rather than
+    from memory (forming Y for a whole chunk passes over it four times in memory)."""
+    k = b.shape[-1]
+    out = b.new_empty(len(b), k, k)
+    half, off = alpha[:, None] / 2, beta[:, None]
+    step = len(work)
+    for i in range(0, len(b), step):
+        part = b[i : i + step]
+        y = torch.mul(part, half, out=work[: len(part)])
+        y[:, :-1].addcmul_(part[:, 1:], off)
+        torch.bmm(part.mT, y, out=out[i : i + step])
+    return out + out.mT
+
+
 def _null_traces(
     site: SiteFrames, f: Rows, normal: Rows | None, work: Tensor | None
 ) -> dict[str, Tensor]:
     """One chunk of `SiteFrames.null` (see there for the names), in `NULL_DTYPE`, from the
     uniform frames' `Rows` and, for normal controls, L⁻¹ with G's `Rows`; the squares
-    with ``work``, a buffer of at least the chunk's complement rows' shape."""
+    with ``work``, the buffer of `_banded_gram`."""
     low, k = site.low, site.k
     alpha, beta, x, t = low["alpha"], low["beta"], low["x"], low["t"]
     a, b = f.main[:, :k], f.main[:, k:]
@@ -402,11 +455,7 @@ def _null_traces(
         bm = stacked[:, -1]  # (n, k)
         out["m"] = (a.mT @ low["m_t"] + bm).pow(2).sum(-1)
     if work is not None:
-        # BᵀKB = BᵀY + YᵀB with Y = (diag(α)/2 + the upper band of K) B: K tridiagonal
-        y = torch.mul(b, alpha[:, None] / 2, out=work[: len(b)])
-        y[:, :-1].addcmul_(b[:, 1:], beta[:, None])
-        kb = b.mT @ y
-        kb = kb + kb.mT
+        kb = _banded_gram(b, alpha, beta, work)
         r = stacked[:, k : 2 * k]  # XKB
         out["tr2"] = (t @ a + p).pow(2).sum((-2, -1)) + dot(a, low["xxt"] @ a) + 2 * dot(a, r)
         out["tr2"] = out["tr2"] + band(b_rows, *low["k2"])

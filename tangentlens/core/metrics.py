@@ -77,7 +77,9 @@ def _cov_arg(c: Any, name: str = "cov") -> Tensor:
     if t.ndim != 2 or t.shape[0] != t.shape[1]:
         raise UsageError(f"{name} must be a square (d, d) matrix; got {tuple(t.shape)}.")
     t = t.to(torch.float64)
-    if not bool(torch.isfinite(t).all()):
+    # a finite sum has no NaN or Inf behind it, and takes one pass with no d × d mask;
+    # only a sum that is not finite (an entry that is not, or an overflow) needs the mask
+    if not (bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())):
         raise UsageError(f"{name} contains NaN or Inf.")
     return t
 
@@ -94,8 +96,10 @@ def isoscore_from_traces(trace: Tensor | float, trace_sq: Tensor | float, d: int
     Works elementwise on batches of traces (one per control, say)."""
     if d < 2:
         raise UsageError(f"IsoScore needs d >= 2 dimensions; got {d}.")
-    trace = torch.as_tensor(trace, dtype=torch.float64)
-    trace_sq = torch.as_tensor(trace_sq, dtype=torch.float64)
+    trace, trace_sq = (
+        t.to(torch.float64) if isinstance(t, Tensor) else torch.as_tensor(t, dtype=torch.float64)
+        for t in (trace, trace_sq)
+    )
     if bool((trace_sq <= 0).any()):
         raise UsageError("the covariance is zero: IsoScore is undefined for constant data.")
     return (trace**2 / trace_sq - 1) / (d - 1)

@@ -173,8 +173,21 @@ def energy_ratio(share: float, k: int, d: int) -> float:
     return share / rest if rest > 0 else math.inf
 
 
+def _energy_inputs(matrix: Moments | Tensor, basis: TangentBasis) -> tuple[float, float]:
+    """``(tr H, tangent share of H)`` for the second moment H a `Moments` stands for, or a
+    matrix; an error when there is no energy."""
+    if isinstance(matrix, Moments):
+        total = matrix.trace_second_moment()
+    else:
+        total = float(torch.trace(matrix))
+    if total <= 0:
+        raise UsageError("the gradients are all zero: no energy to test. Check the loss.")
+    return total, tangent_share(matrix, basis)
+
+
 def _energy(
-    h: Tensor,
+    total: float,
+    share: float,
     basis: TangentBasis,
     draws: dict[str, Tensor],
     *,
@@ -182,13 +195,10 @@ def _energy(
     controls: Controls,
     activation_moments: Moments | None,
 ) -> EnergyTestResult:
-    """The energy test from the second moment ``h`` and its controls' ``draws`` of
-    `SiteFrames.null` (tr(FᵀHF) is ``tr`` plus ``m`` where H = M + μμᵀ)."""
-    total = float(torch.trace(h))
-    if total <= 0:
-        raise UsageError("the gradients are all zero: no energy to test. Check the loss.")
+    """The energy test of a second moment H with trace ``total`` and tangent ``share``
+    against its controls' ``draws`` of `SiteFrames.null` (tr(FᵀHF) is ``tr`` plus ``m``
+    where H = M + μμᵀ)."""
     d, k = basis.d, basis.k
-    share = tangent_share(h, basis)
     suffix = "_normal" if controls == "normal" else ""
     null = draws["tr" + suffix] + draws.get("m" + suffix, 0.0)
     null = null / total
@@ -252,9 +262,11 @@ def energy_test(
     _check_inputs(gradient_moments, basis, n_controls, controls)
     _warn_exchangeability(basis, controls)
     normal = controls == "normal"
+    total, share = _energy_inputs(gradient_moments, basis)
     draws = _moment_draws(gradient_moments, basis, n_controls, seed, normal=normal, squares=False)
     return _energy(
-        gradient_moments.second_moment(),
+        total,
+        share,
         basis,
         draws,
         n_controls=n_controls,
@@ -267,7 +279,13 @@ def energy_test(
 class _IsoAfterRemoval:
     """IsoScore* of the gradient covariance before, and after removing a k-frame, from the
     traces of S over the frame (S the covariance, ``n − 1`` normalisation, shrunk by
-    ``zeta`` toward ``reference``)."""
+    ``zeta`` toward ``reference``).
+
+    ``multiple`` is f with S = f·C for the covariance C (``n − 1`` normalisation) where
+    that holds to ``_MULTIPLE_TOL`` in Frobenius norm (no reference, or a reference that
+    is a multiple of C, as a pool of one checkpoint gives): the controls' traces of S are
+    then those of C scaled, to within k·‖S − f·C‖₂ each, far under the float32 rounding of
+    the traces themselves. None otherwise: S needs a reduction of its own."""
 
     def __init__(self, moments: Moments, basis: TangentBasis, zeta: float, reference: Any):
         if moments.count < 2:
@@ -285,6 +303,7 @@ class _IsoAfterRemoval:
             self.s = (1 - zeta) * c + zeta * ref
         self.zeta, self.scaled = zeta, reference is None
         self.tr_s, self.tr_s2 = torch.trace(self.s), (self.s * self.s).sum()
+        self.multiple = 1.0 if self.scaled else _multiple(self.s, c, float(self.tr_s2) ** 0.5)
         self.before = float(
             isoscore_from_traces(self.tr_s, self._t2(self.tr_s2, self.tr_s, self.d), self.d)
         )
@@ -308,6 +327,19 @@ class _IsoAfterRemoval:
         sq = self.s @ q
         qsq = q.T @ sq
         return float(self.after(torch.trace(qsq), (sq * sq).sum(), qsq.pow(2).sum())) - self.before
+
+
+_MULTIPLE_TOL = 1e-12
+
+
+def _multiple(s: Tensor, c: Tensor, norm_s: float) -> float | None:
+    """f with ‖S − f·C‖_F ≤ `_MULTIPLE_TOL`·‖S‖_F (f = tr S / tr C), else None."""
+    tr_c = float(torch.trace(c))
+    if not tr_c > 0:
+        return None
+    f = float(torch.trace(s)) / tr_c
+    off = float(torch.linalg.matrix_norm(torch.sub(s, c, alpha=f)))
+    return f if off <= _MULTIPLE_TOL * norm_s else None
 
 
 def delta_iso_tangent(
@@ -344,26 +376,28 @@ def _iso_draws(
     draws: dict[str, Tensor] | None = None,
 ) -> tuple[dict[str, Tensor], float]:
     """Controls' traces for ΔIso* and their scale: the covariance's own ``draws`` (ddof=0,
-    so scaled by n/(n − 1)) when no ``reference`` moved S off it, else draws on S."""
-    if not iso.scaled:
+    so scaled by f·n/(n − 1)) where S is a multiple f of it (`_IsoAfterRemoval`), else
+    draws on S."""
+    if iso.multiple is None:
         return SiteFrames(iso.s, basis.basis_.to(iso.s)).null(
             n_controls, seed, normal=normal, squares=True
         ), 1.0
     if draws is None:
         draws = _moment_draws(moments, basis, n_controls, seed, normal=normal, squares=True)
-    return draws, moments.count / (moments.count - 1)
+    return draws, iso.multiple * moments.count / (moments.count - 1)
 
 
 def _isotropy(
     iso: _IsoAfterRemoval,
-    basis: TangentBasis,
+    delta_t: float,
     draws: dict[str, Tensor],
     scale: float,
     *,
     n_controls: int,
     controls: Controls,
 ) -> IsotropyTestResult:
-    delta_t = iso.delta(basis.basis_)
+    """The test of ΔIso*_T = ``delta_t`` against the controls' ``draws`` (traces of S
+    over ``scale``)."""
     suffix = "_normal" if controls == "normal" else ""
     traces = (
         draws[key + suffix] * scale**power for key, power in (("tr", 1), ("tr2", 2), ("frob", 2))
@@ -399,7 +433,8 @@ def isotropy_test(
     iso = _IsoAfterRemoval(gradient_moments, basis, zeta, reference)
     normal = controls == "normal"
     draws, scale = _iso_draws(iso, gradient_moments, basis, n_controls, seed, normal)
-    return _isotropy(iso, basis, draws, scale, n_controls=n_controls, controls=controls)
+    delta_t = iso.delta(basis.basis_)
+    return _isotropy(iso, delta_t, draws, scale, n_controls=n_controls, controls=controls)
 
 
 def _normal_fits(basis: TangentBasis) -> bool:
@@ -418,16 +453,19 @@ def _normal_fits(basis: TangentBasis) -> bool:
 
 
 def _energy_statistics(
-    h: Tensor,
+    h: Moments | Tensor,
     basis: TangentBasis,
     draws: dict[str, Tensor],
     n_controls: int,
     activation_moments: Moments | None,
 ) -> dict[str, float | None]:
-    """The energy test's named statistics: uniform controls, plus normal ones (labelled,
-    so no warning) where they fit (2k ≤ d)."""
+    """The energy test's named statistics for the second moment ``h`` (a `Moments` stands
+    for its own): uniform controls, plus normal ones (labelled, so no warning) where they
+    fit (2k ≤ d)."""
+    total, share = _energy_inputs(h, basis)
     energy = _energy(
-        h,
+        total,
+        share,
         basis,
         draws,
         n_controls=n_controls,
@@ -443,7 +481,13 @@ def _energy_statistics(
     }
     if "tr_normal" in draws:
         normal = _energy(
-            h, basis, draws, n_controls=n_controls, controls="normal", activation_moments=None
+            total,
+            share,
+            basis,
+            draws,
+            n_controls=n_controls,
+            controls="normal",
+            activation_moments=None,
         )
         out["p_value_normal"] = normal.p_value
     return out
@@ -487,22 +531,24 @@ def tangent_tests(
     and ``isotropy_p_value_normal`` use the paper's normal controls (labelled, so no
     warning; left out when 2k > d, where no normal control fits). ``normalized_ratio``
     needs ``activation_moments``. One tridiagonal reduction serves all of them (two with a
-    ``reference``), and the same controls as `energy_test` and `isotropy_test`.
+    ``reference`` that is not a multiple of the covariance, such as a pool of several
+    checkpoints), and the same controls as `energy_test` and `isotropy_test`.
     """
     _check_inputs(gradient_moments, basis, n_controls, "uniform")
     normal = _normal_fits(basis)
     iso = _IsoAfterRemoval(gradient_moments, basis, zeta, reference)
     mc = (n_controls, seed)
-    draws = _moment_draws(gradient_moments, basis, *mc, normal=normal, squares=iso.scaled)
-    h = gradient_moments.second_moment()
-    out = _energy_statistics(h, basis, draws, n_controls, activation_moments)
+    squares = iso.multiple is not None
+    draws = _moment_draws(gradient_moments, basis, *mc, normal=normal, squares=squares)
+    out = _energy_statistics(gradient_moments, basis, draws, n_controls, activation_moments)
     iso_draws, scale = _iso_draws(iso, gradient_moments, basis, *mc, normal, draws)
-    uniform = _isotropy(iso, basis, iso_draws, scale, n_controls=n_controls, controls="uniform")
+    delta_t = iso.delta(basis.basis_)
+    uniform = _isotropy(iso, delta_t, iso_draws, scale, n_controls=n_controls, controls="uniform")
     out["delta_iso_tangent"] = uniform.delta_tangent
     out["iso_statistic"] = uniform.statistic
     out["isotropy_p_value"] = uniform.p_value
     if normal:
-        others = _isotropy(iso, basis, iso_draws, scale, n_controls=n_controls, controls="normal")
+        others = _isotropy(iso, delta_t, iso_draws, scale, n_controls=n_controls, controls="normal")
         out["delta_iso_normal"] = others.delta_normal
         out["isotropy_p_value_normal"] = others.p_value
     return {k: v for k, v in out.items() if v is not None}
@@ -525,7 +571,7 @@ def matrix_tests(
     (uniform controls), ``p_value_normal`` (normal controls; left out when 2k > d) and,
     with ``activation_moments``, ``normalized_ratio``.
     """
-    h = torch.as_tensor(matrix)
+    h = matrix if isinstance(matrix, Tensor) else torch.as_tensor(matrix)
     if h.ndim != 2 or h.shape[0] != h.shape[1] or not bool(torch.isfinite(h).all()):
         raise UsageError(f"matrix must be a finite square (d, d) tensor; got {tuple(h.shape)}.")
     _check_basis(basis, h.shape[0], "the matrix")

@@ -37,6 +37,12 @@ __all__ = [
 _ORTHO_TOL = 1e-6
 
 
+def _as_tensor(x: Any) -> Tensor:
+    """``x`` as a tensor; a tensor stays on its own device (``torch.as_tensor`` would move it
+    to a default device set with ``torch.set_default_device``)."""
+    return x if isinstance(x, Tensor) else torch.as_tensor(x)
+
+
 def _check_orthonormal(q: Tensor, name: str = "q") -> Tensor:
     if q.ndim != 2:
         raise UsageError(f"{name} must be a (d, k) matrix; got shape {tuple(q.shape)}.")
@@ -82,11 +88,11 @@ class TangentBasis:
         eigengap: float | None = None,
         provenance: dict[str, Any] | None = None,
     ) -> None:
-        self.basis_ = _check_orthonormal(torch.as_tensor(q), "q").contiguous()
+        self.basis_ = _check_orthonormal(_as_tensor(q), "q").contiguous()
         self.explained_variance_ = (
-            None if explained_variance is None else torch.as_tensor(explained_variance).double()
+            None if explained_variance is None else _as_tensor(explained_variance).double()
         )
-        self.mean_ = None if mean is None else torch.as_tensor(mean).double()
+        self.mean_ = None if mean is None else _as_tensor(mean).double()
         self.total_variance_ = total_variance
         self.eigengap_ = eigengap
         self.provenance = dict(provenance or {})
@@ -125,7 +131,7 @@ class TangentBasis:
             if total <= 0:
                 raise UsageError("the activations have zero variance; no subspace to fit.")
             cum = torch.cumsum(evals, 0) / total
-            rank = int(torch.searchsorted(cum, torch.tensor(variance, dtype=cum.dtype)).item()) + 1
+            rank = int(torch.searchsorted(cum, cum.new_tensor(variance)).item()) + 1
             rank = check_rank(min(rank, d - 1), d)
         else:
             rank = check_rank(rank, d)
@@ -136,7 +142,7 @@ class TangentBasis:
             evals = evals.clamp_min(0)
         q = evecs[:, :rank]
         # Deterministic signs: the largest-magnitude entry of each column is positive.
-        pivots = q[q.abs().argmax(0), torch.arange(rank)]
+        pivots = q[q.abs().argmax(0), torch.arange(rank, device=q.device)]
         q = q * torch.where(pivots < 0, -1.0, 1.0).to(q.dtype)
         prov = {"rank": rank, "count": moments.count, "d": d, **(provenance or {})}
         return cls(
@@ -176,7 +182,7 @@ class TangentBasis:
         return self.explained_variance_ / self.total_variance_
 
     def _check_x(self, x: Tensor, name: str = "x") -> Tensor:
-        x = torch.as_tensor(x)
+        x = _as_tensor(x)
         if x.ndim < 1 or x.shape[-1] != self.d:
             raise UsageError(
                 f"{name} must have shape (..., {self.d}) to match this basis; "
@@ -333,23 +339,30 @@ def uniform_controls(d: int, k: int, n: int, seed: int = 0) -> Tensor:
 def tangent_share(matrix: Tensor | Moments, basis: TangentBasis | Tensor) -> float:
     """tr(QᵀMQ)/tr(M): the share of a symmetric PSD matrix's energy that lies in span(Q).
 
-    A `Moments` stands for its uncentred second moment E[x xᵀ], so the share is
-    E‖xᵀQ‖²/E‖x‖², the energy a gradient or a residual write carries, mean included.
+    A `Moments` stands for its uncentred second moment E[x xᵀ] = C + μμᵀ, so the share is
+    E‖xᵀQ‖²/E‖x‖², the energy a gradient or a residual write carries, mean included; it
+    is read as (tr(QᵀCQ) + ‖Qᵀμ‖²)/(tr C + ‖μ‖²), which never forms the d × d sum.
     Every share in tangentlens goes through here, so tables agree to the last digit.
     """
-    m = matrix.second_moment() if isinstance(matrix, Moments) else torch.as_tensor(matrix)
     q = _basis_q(basis)
     d = q.shape[0]
+    moments = isinstance(matrix, Moments)
+    m = matrix.covariance() if moments else _as_tensor(matrix)
     if tuple(m.shape) != (d, d):
         raise UsageError(
             f"matrix must be ({d}, {d}) to match the basis; got {tuple(m.shape)}. "
             "Was the basis fitted at another site?"
         )
     m = m.to(torch.float64)
-    total = float(torch.trace(m))
+    q = q.to(m.device)
+    tangent, total = ((m @ q) * q).sum(), torch.trace(m)
+    if moments:
+        mean = matrix.mean.to(m)
+        tangent, total = tangent + (mean @ q).pow(2).sum(), total + mean @ mean
+    total = float(total)
     if not total > 0:
         raise UsageError(f"tr(M) = {total}: there is no energy to share (all-zero vectors?).")
-    return float(((m @ q.to(m.device)) * q.to(m.device)).sum()) / total
+    return float(tangent) / total
 
 
 def shares(tangent_energy: float, total_energy: float, k: int, d: int) -> dict[str, float]:
