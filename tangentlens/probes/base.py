@@ -9,6 +9,12 @@ them with its own. Its state is a set of named `Mergeable` statistics (`Moments`
 `Sum`, `AttentionAccumulator`) registered with `add_state`, so one implementation of
 `merge`, `state_dict` / `load_state_dict`, `all_reduce_` and `reset` serves every
 probe: shards, processes and checkpoints combine exactly.
+
+Collect, then compute: a `MomentProbe` (residual, gradient, weight gradient) built on
+sites alone keeps basis-free state, and its `compute` tests that state against bases
+given afterwards; a study collects every checkpoint that way and computes with the same
+code a probe session uses. A probe whose state cannot be basis-free (the attention
+probe's score split is not linear in Q_T) is built on the bases and runs once they exist.
 """
 
 from __future__ import annotations
