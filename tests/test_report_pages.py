@@ -52,7 +52,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     other = study.assign(value=study["value"] * 1.1)
     probe = one_checkpoint(study).assign(ci_low=study["ci_low"], ci_high=study["ci_high"])
     demo = _several(root / "demo", {"decoder/seed0": study, "encoder/seed0": other}, "demo")
-    # the demo's overview as an earlier page left it: the demo's own, though unmarked
+    # an overview without the generator mark: the demo's own all the same, by its folder record
     (demo / "report.html").write_text("<!DOCTYPE html>\n<title>tangentlens demo</title>\n")
     return {
         "study": _run(root / "study", study, "study"),

@@ -186,7 +186,7 @@ def _heatmap(t: pd.DataFrame) -> tuple[Figure, str] | None:
                 if np.isfinite(v):
                     colour = "black" if v > 0.6 * vmax else "white"
                     ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color=colour)
-    fig.colorbar(image, ax=list(axes), label="score_share_TT (share of score energy)")
+    fig.colorbar(image, ax=list(axes), label="share of score energy")
     fig.suptitle("score_share_TT: attention score from tangent query × tangent key")
     last = grids[-1]
     layer, head = np.unravel_index(np.nanargmax(last.to_numpy()), last.shape)
