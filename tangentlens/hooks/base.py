@@ -62,7 +62,7 @@ class ModuleHandle:
     def alive(self) -> bool:
         """False once the module hook is gone, also when something else removed it (a
         user's ``module._forward_hooks.clear()``): the session reports that instead of
-        dropping the passes it no longer sees without a word."""
+        dropping the passes its hooks miss without a word."""
         return _registered(self._module_handle)
 
     def remove(self) -> None:
