@@ -170,11 +170,14 @@ def test_load_tensors_of_a_folder_names_it(tmp_path: Path) -> None:
         files.load_tensors(tmp_path / "x.safetensors")
 
 
-def test_a_part_with_nan_in_its_embedding_names_the_file(world: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("value", "word"), [(float("nan"), "NaN"), (float("inf"), "Inf")])
+def test_a_part_with_nan_in_its_embedding_names_the_file(
+    value: float, word: str, world: Path, tmp_path: Path
+) -> None:
     path = _copy_study(world, tmp_path) / PART
 
     def nan(ts: dict) -> None:
-        ts["embed"][0, 0] = float("nan")
+        ts["embed"][0, 0] = value
 
     _tamper(path, nan)
     header = check_safetensors(path)["__metadata__"]
@@ -182,7 +185,7 @@ def test_a_part_with_nan_in_its_embedding_names_the_file(world: Path, tmp_path: 
     save_file(load_file(str(path)), str(path), metadata=header)
     with pytest.raises(CorruptFileError) as err:
         load_part(path)
-    assert "step4.safetensors" in str(err.value) and "NaN" in str(err.value)
+    assert "step4.safetensors" in str(err.value) and word in str(err.value)
     assert "delete it" in str(err.value) and "model" not in str(err.value)
 
 

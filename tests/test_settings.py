@@ -154,15 +154,17 @@ SEED_OPTIONS = ("seeds", "n_seeds")  # of `workflows.train_seeds` and `workflows
 
 
 def _train_call(argv: list[str], monkeypatch: pytest.MonkeyPatch, out: Path) -> dict[str, Any]:
-    def stub(config: TrainConfig, out_dir: Path, progress: bool = True) -> None:
-        raise Called(config=config, progress=progress)
+    def stub(
+        config: TrainConfig, out_dir: Path, progress: bool = True, restart: bool = False
+    ) -> None:
+        raise Called(config=config, progress=progress, restart=restart)
 
     monkeypatch.setattr(train_module, "train", stub)
     return _run(["train", "--out", str(out), *argv], monkeypatch)
 
 
 def test_train_lists_every_option() -> None:
-    assert _options("train") == {*TRAIN_OPTIONS, *SEED_OPTIONS, "out", "quick", "quiet"}
+    assert _options("train") == {*TRAIN_OPTIONS, *SEED_OPTIONS, "out", "quick", "quiet", "restart"}
 
 
 @pytest.mark.parametrize("dest", TRAIN_OPTIONS)
@@ -178,7 +180,10 @@ def test_train_default_is_the_config_default(
 def test_train_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     got = _train_call([], monkeypatch, tmp_path)
     assert got["progress"] == _param(TRAIN, "progress")
+    assert got["restart"] == _param(TRAIN, "restart") == settings.TRAIN.restart.default
+    assert _action("train", "restart").default == settings.TRAIN.restart.default
     assert _action("train", "quick").default == _param(workflows.train_config, "quick")
+    assert _train_call(["--restart"], monkeypatch, tmp_path)["restart"] is True
 
 
 def test_train_seeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

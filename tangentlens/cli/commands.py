@@ -188,6 +188,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train the small model and save its checkpoint series."""
+    from ..data.resume import start_over
     from ..data.train import train
     from . import workflows
 
@@ -203,8 +204,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     seeds = _chosen_seeds(args)
     if seeds is None:
-        train(config, out, progress=not args.quiet)
+        train(config, out, progress=not args.quiet, restart=args.restart)
     else:
+        if args.restart:
+            start_over(out)
         workflows.train_seeds(config, out, seeds=seeds, progress=not args.quiet, log=_say)
     steps = config.steps
     where = out if seeds is None else out / workflows.SEED_DIR.format("{S}")
@@ -393,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     seeds = _seed_options(train, TRAIN.seeds)
     seeds.add_argument("--seed", metavar="N", type=_seed, help=_help(TRAIN.seed))
     train.add_argument("--quick", action="store_true", help="a tiny model: seconds")
+    train.add_argument("--restart", action="store_true", help=_help(TRAIN.restart))
     train.set_defaults(func=cmd_train)
 
     study = sub.add_parser(
@@ -502,8 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     A `UsageError` or `CorruptFileError` (the person can fix it) and an environment
     fault (disk full, file too large, no permission, read-only, a name too long, too
-    many open files, a missing package) print one line and exit 2; anything else is a
-    bug: one line asking for a rerun with the traceback, exit 1.
+    many open files, a missing package, memory running out) print one line and exit 2;
+    anything else is a bug: one line asking for a rerun with the traceback, exit 1.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -536,6 +540,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"tangentlens {args.command}: error: the package {top} is not installed (or "
             f"broken); install it (pip install {top}) or reinstall tangentlens, then rerun",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_USAGE
+    except MemoryError as err:  # the machine's limit, not a fault of the command
+        if debug:
+            raise
+        print(
+            f"tangentlens {args.command}: error: out of memory ({_one_line(err)}); free memory "
+            "or ask for less (a smaller --corpus or --text, fewer --tokens or --sequences, a "
+            "lower --world-size), then rerun: finished work is kept and the run resumes",
             file=sys.stderr,
             flush=True,
         )

@@ -103,6 +103,11 @@ class TrainSettings:
         SEEDS.default, "train one series per seed into OUT/seed{S}/, e.g. 0,1,2", SEEDS.shown
     )
     n_seeds: Setting = N_SEEDS
+    restart: Setting = Setting(
+        False,
+        "delete OUT's checkpoints and train again from step 0 (a rerun otherwise resumes, and "
+        "refuses a changed corpus, tokenizer or options)",
+    )
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -125,14 +126,26 @@ def vocab_size(tokenizer: Any) -> int:
     return len(tokenizer)
 
 
+_ENCODE_CHUNK = 8192  # lines tokenised at a time
+
+
 def encode(tokenizer: Any, lines: list[str]) -> Tensor:
-    """Token ids of ``lines`` (each keeps its newline), concatenated, without special tokens."""
-    texts = [line + "\n" for line in lines]
-    if _is_raw_tokenizer(tokenizer):
-        ids = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-    else:
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return torch.tensor([i for seq in ids for i in seq], dtype=torch.long)
+    """Token ids of ``lines`` (each keeps its newline), concatenated, without special tokens.
+
+    Lines are tokenised a chunk at a time, each chunk's ids packed into a tensor at once:
+    a tokenizer's per-line Python lists (and a fast tokenizer's offsets) take tens of bytes
+    per token, so a corpus of a few hundred MB tokenised whole would not fit in memory,
+    while packed ids take eight. Each line is tokenised on its own either way, so the ids
+    do not depend on the chunk size."""
+    chunks = [torch.zeros(0, dtype=torch.long)]
+    for start in range(0, len(lines), _ENCODE_CHUNK):
+        texts = [line + "\n" for line in lines[start : start + _ENCODE_CHUNK]]
+        if _is_raw_tokenizer(tokenizer):
+            ids = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+        else:
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        chunks.append(torch.tensor(list(itertools.chain.from_iterable(ids)), dtype=torch.long))
+    return torch.cat(chunks)
 
 
 _ENCODED: dict[tuple[str, str], Tensor] = {}

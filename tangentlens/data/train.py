@@ -61,12 +61,20 @@ from ..models.batches import draw_masked
 from ..version import __version__
 from .checkpoints import METADATA_FILE, quiet_transformers
 from .corpus import encoded, load_lines, token_batches
+from .resume import (
+    CONFIG_FILE,
+    INPUT_KEYS,
+    RESTART,
+    STATE_FILE,
+    TOKENIZER_DIR,
+    check_inputs,
+    inputs_digest,
+    is_started,
+    start_over,
+)
 
-__all__ = ["TrainConfig", "checkpoint_steps", "train"]
+__all__ = ["CONFIG_FILE", "STATE_FILE", "TOKENIZER_DIR", "TrainConfig", "checkpoint_steps", "train"]
 
-CONFIG_FILE = "train_config.json"
-STATE_FILE = "train_state.safetensors"
-TOKENIZER_DIR = "tokenizer"
 SPECIAL_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"  # the masked objective's extra special token
 MASK_RATE = 0.15  # the fraction of positions the masked objective masks, as BERT's
@@ -377,6 +385,14 @@ def _prepare_out_dir(config: TrainConfig, out: Path, lock: FolderLock) -> None:
     def same_config() -> bool:  # a run from before folder records: its config file decides
         return cfg_path.is_file() and TrainConfig.from_dict(_read_json(cfg_path)) == config
 
+    if is_started(out) and cfg_path.is_file() and not same_config():
+        saved = _read_json(cfg_path)
+        diff = sorted(k for k, v in config.to_dict().items() if saved.get(k) != v)
+        raise UsageError(
+            f"{out} holds a `tangentlens train` run with another configuration (differs in "
+            f"{diff}): rerun with its options to resume, {RESTART}."
+        )
+
     lock.claim(
         config.to_dict(),
         (CONFIG_FILE, STATE_FILE, TOKENIZER_DIR, "step*"),
@@ -397,6 +413,7 @@ def train(
     progress: bool = True,
     *,
     tokenizer_from: str | Path | None = None,
+    restart: bool = TRAIN.restart.default,
 ) -> Path:
     """Train (or resume) a run; returns ``out_dir``, which holds ``step{N}`` checkpoints.
 
@@ -404,11 +421,19 @@ def train(
     copied instead of training the tokenizer again (it is no function of the seed: same
     corpus, same tokenizer); a run that has its tokenizer already keeps it. The caller's
     torch RNG state and thread count are restored afterwards.
+
+    A rerun resumes only the same run: another configuration, corpus text or tokenizer
+    than the folder's checkpoints were trained with is a `UsageError`. ``restart``: delete
+    the folder's checkpoints first and train from step 0 (`start_over`).
     """
     out = Path(out_dir)
     with lock_folder(out, "train") as lock:
+        if restart:
+            start_over(out)
         _prepare_out_dir(config, out, lock)
-        if (out / f"step{config.max_steps}").is_dir():
+        if (out / f"step{config.max_steps}").is_dir():  # finished: if on these inputs
+            lines = load_lines(config.corpus, config.max_chars, config.encoding)
+            check_inputs(out, inputs_digest(lines, out / TOKENIZER_DIR), config.corpus)
             return out
         threads = torch.get_num_threads()
         torch.set_num_threads(config.num_threads)
@@ -426,6 +451,10 @@ def _run(config: TrainConfig, out: Path, progress: bool, tokenizer_from: str | P
 
     lines = load_lines(config.corpus, config.max_chars, config.encoding)
     tok_dir = out / TOKENIZER_DIR
+    if tok_dir.is_dir() and not is_started(out):
+        # no checkpoint records which corpus it came from: made again (seconds), so a
+        # corpus edited after a kill here cannot pair with a tokenizer of the old text
+        shutil.rmtree(tok_dir)
     if not tok_dir.is_dir():
         if tokenizer_from is None:
             _atomic_dir(tok_dir, _train_tokenizer(lines, config).save_pretrained)
@@ -438,6 +467,8 @@ def _run(config: TrainConfig, out: Path, progress: bool, tokenizer_from: str | P
                 )
             _atomic_dir(tok_dir, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    inputs = inputs_digest(lines, tok_dir)
+    check_inputs(out, inputs, config.corpus)
     data = token_batches(
         tokenizer,
         ids=encoded(tokenizer, lines),
@@ -477,6 +508,7 @@ def _run(config: TrainConfig, out: Path, progress: bool, tokenizer_from: str | P
                 "tokens_seen": step * config.batch_size * config.seq_len,
                 "lr": _lr(config, step),
                 "config": config.to_dict(),
+                **inputs,
                 "tangentlens_version": __version__,
             }
             _checkpoint(out, step, model, tokenizer, opt, rng, metadata)
@@ -558,4 +590,6 @@ def _checkpoint(
         _atomic_dir(final, fill)
     tensors, opt_meta = _optimizer_tensors(opt)
     tensors["rng"] = rng
-    save_tensors(out / STATE_FILE, tensors, {"step": str(step), "optimizer": json.dumps(opt_meta)})
+    inputs = {key: metadata[key] for key in INPUT_KEYS}
+    state = {"step": str(step), "optimizer": json.dumps(opt_meta), **inputs}
+    save_tensors(out / STATE_FILE, tensors, state)

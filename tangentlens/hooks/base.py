@@ -23,6 +23,7 @@ from .sites import Site
 __all__ = [
     "Backend",
     "Handle",
+    "InputFn",
     "ModuleHandle",
     "TensorFn",
     "backend_names",
@@ -33,6 +34,10 @@ __all__ = [
 TensorFn = Callable[[Tensor], Tensor | None]
 """A hook body: gets the activation (forward) or its gradient (backward); returns
 ``None`` to observe, or a tensor to replace the activation (forward only)."""
+
+InputFn = Callable[[Tensor | None, Tensor | None], None]
+"""What `Backend.watch_inputs` calls: ``fn(attention_mask, input_ids)``, each None when the
+pass was called without it."""
 
 
 @runtime_checkable
@@ -53,6 +58,13 @@ class ModuleHandle:
         self._tensor_hooks = [(ref, h) for ref, h in self._tensor_hooks if ref() is not None]
         self._tensor_hooks.append((weakref.ref(tensor), tensor.register_hook(fn)))
 
+    @property
+    def alive(self) -> bool:
+        """False once the module hook is gone, also when something else removed it (a
+        user's ``module._forward_hooks.clear()``): the session reports that instead of
+        dropping the passes its hooks miss without a word."""
+        return _registered(self._module_handle)
+
     def remove(self) -> None:
         for _, handle in self._tensor_hooks:
             handle.remove()
@@ -60,6 +72,14 @@ class ModuleHandle:
         if self._module_handle is not None:
             self._module_handle.remove()
             self._module_handle = None
+
+
+def _registered(handle: Any) -> bool:
+    """Whether a torch ``RemovableHandle``'s hook is still in its module's hook dict."""
+    if handle is None:
+        return False
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
 
 
 @runtime_checkable
@@ -90,8 +110,9 @@ class Backend(Protocol):
         """``fn`` gets the gradient of the loss with respect to the site's activation."""
         ...
 
-    def watch_inputs(self, fn: Callable[[Tensor | None], None]) -> Handle:
-        """Call ``fn(attention_mask or None)`` at the start of every forward pass."""
+    def watch_inputs(self, fn: InputFn) -> Handle:
+        """Call ``fn(attention_mask or None, input_ids or None)`` at the start of every
+        forward pass: the ids too, so they are checked before an embedding indexes them."""
         ...
 
     def require_input_grad(

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from ..core.decompose import AttentionParams
 from ..core.errors import UsageError
 from ..core.stats import Moments
-from .base import ModuleHandle, TensorFn, embedding_leaf, register_backend
+from .base import InputFn, ModuleHandle, TensorFn, embedding_leaf, register_backend
 from .families import hf_attention_module, is_causal, layout, unwrap
 from .huggingface import first_tensor, output_weight_from_hf, params_from_hf
 from .layouts import input_linears, submodule
@@ -164,16 +164,23 @@ class NNsightBackend:
             module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=prepend)
         )
 
-    def watch_inputs(self, fn: Callable[[Tensor | None], None]) -> ModuleHandle:
-        """``fn(attention_mask or None)`` at the start of every forward of the HF model."""
-        signature = inspect.signature(self.module.forward)
+    def watch_inputs(self, fn: InputFn) -> ModuleHandle:
+        """``fn(attention_mask or None, input_ids or None)`` at the start of every forward
+        of the HF model. The arguments are bound to the class's own ``forward`` (with
+        ``self``): nnsight replaces the instance's with a wrapper whose signature still
+        names ``self``, which would take the ids."""
+        signature = inspect.signature(type(self.module).forward)
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             try:
-                mask = signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
+                bound = signature.bind_partial(module, *args, **kwargs).arguments
             except TypeError:
-                mask = kwargs.get("attention_mask")
-            fn(mask if isinstance(mask, Tensor) and mask.ndim == 2 else None)
+                bound = kwargs
+            mask, ids = bound.get("attention_mask"), bound.get("input_ids")
+            fn(
+                mask if isinstance(mask, Tensor) and mask.ndim == 2 else None,
+                ids if isinstance(ids, Tensor) else None,
+            )
 
         return ModuleHandle(self.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
 

@@ -32,7 +32,7 @@ from transformers import AutoConfig
 
 from ..core.decompose import AttentionParams, NormParams
 from ..core.errors import UsageError
-from .base import TensorFn, embedding_leaf, register_backend
+from .base import InputFn, ModuleHandle, TensorFn, embedding_leaf, register_backend
 from .families import family_of, is_causal, unwrap
 from .huggingface import norm_from_module, params_from_hf
 from .sites import KINDS, Site, missing_site_error
@@ -93,14 +93,6 @@ class _TLHandle:
         handles = getattr(self._hook_point, attr)
         setattr(self._hook_point, attr, [h for h in handles if h is not self._lens_handle])
         self._lens_handle = None
-
-
-class _TorchHandle:
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
-
-    def remove(self) -> None:
-        self._handle.remove()
 
 
 class TransformerLensBackend:
@@ -193,14 +185,18 @@ class TransformerLensBackend:
         lens_handle = hook_point.add_hook(hook, dir=direction, level=self._level)
         return _TLHandle(hook_point, direction, lens_handle)
 
-    def watch_inputs(self, fn: Callable[[Tensor | None], None]) -> _TorchHandle:
+    def watch_inputs(self, fn: InputFn) -> ModuleHandle:
         root = unwrap(self.model)
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             mask = kwargs.get("attention_mask")
-            fn(mask if isinstance(mask, Tensor) and mask.ndim == 2 else None)
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            fn(
+                mask if isinstance(mask, Tensor) and mask.ndim == 2 else None,
+                ids if isinstance(ids, Tensor) else None,
+            )
 
-        return _TorchHandle(root.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        return ModuleHandle(root.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
     def require_input_grad(
         self, fn: Callable[[Tensor], None] | None = None, *, force: bool = False

@@ -334,11 +334,16 @@ def check_tokens(
     fix: str = "tokenize the text with this model's tokenizer",
     what: str = "token ids",
 ) -> None:
-    """Token ids ``(..., seq_len)`` must lie in the model's vocabulary and each sequence
-    within its context, checked before any pass: past either, the model fails deep inside
-    (an IndexError in an embedding) or, with rotary positions, runs on silently.
-    ``source`` names the model in the message, ``fix`` says what to do about foreign ids,
-    ``what`` names the argument that holds them."""
+    """Token ids ``(..., seq_len)`` must be integers in the model's vocabulary and each
+    sequence within its context, checked before any pass: past either, the model fails
+    deep inside (an IndexError in an embedding, a RuntimeError on bool ids) or, with rotary
+    positions, runs on silently. ``source`` names the model in the message, ``fix`` says
+    what to do about foreign ids, ``what`` names the argument that holds them."""
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise UsageError(
+            f"{what} are {ids.dtype}; pass integer token ids (a bool tensor is a mask: pass "
+            "it as attention_mask)."
+        )
     if ids.numel() == 0:
         raise UsageError(f"{what} hold no tokens (shape {tuple(ids.shape)}); pass some.")
     vocab = vocabulary_size(model)

@@ -119,12 +119,13 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     ``backend``: ``"gloo"`` (default) reduces CPU and CUDA tensors alike, and the reduced
     statistics are only d × d per site; ``"nccl"`` (one GPU per rank, ``cuda:{rank}``) needs
     every reduced tensor on the GPU. A `UsageError`, `CorruptFileError` or `OSError` in any
-    rank is raised again as a `UsageError` with its message; any other failure as a
-    `RuntimeError` (a bug).
+    rank is raised again as a `UsageError` with its message, and so is a rank killed by a
+    signal (naming it and the fix); any other failure as a `RuntimeError` (a bug).
     """
     world_size = check_int(world_size, "world_size", minimum=1)
     if backend not in ("gloo", "nccl"):
         raise UsageError(f"backend must be 'gloo' or 'nccl'; got {backend!r}.")
+    _check_open_files(world_size)
     queue = mp.get_context("spawn").SimpleQueue()
     context = mp.spawn(
         _worker,
@@ -155,6 +156,14 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     ok = [payload for kind, payload in messages if kind == "ok"]
     if failure is None and ok:
         return _from_value(ok[0])
+    if isinstance(failure, ProcessExitedException) and failure.signal_name:
+        # killed from outside (the kernel's out-of-memory killer, a person): nothing in
+        # the code failed, so the fix is the machine's, not a bug report
+        raise UsageError(
+            f"worker {failure.error_index} of the {world_size}-process run was killed by "
+            f"{failure.signal_name} (out of memory, or stopped from outside); free memory or "
+            "lower world_size (--world-size), then rerun: a study resumes from its parts."
+        )
     errors = [payload for kind, payload in messages if kind == "error"]
     detail = errors[0] if errors else str(failure or "rank 0 returned nothing")
     if isinstance(failure, ProcessExitedException):
@@ -163,6 +172,25 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             "launch under `if __name__ == '__main__':`)"
         )
     raise RuntimeError(f"a worker of the {world_size}-process run failed: {detail}")
+
+
+def _check_open_files(world_size: int) -> None:
+    """Refuse a run the open-file limit cannot hold. Each rank holds about twenty files
+    once torch is loaded, rank 0 a socket per rank for the rendezvous, and every pair of
+    ranks its own: below that, rank 0 cannot accept a peer, which retries for half an hour
+    before anything is said."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - a system without POSIX resource limits
+        return
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 32 + 4 * world_size
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raise UsageError(
+            f"the open-file limit is {soft}, too few for a {world_size}-process run (it needs "
+            f"about {needed}): raise it (ulimit -n {max(1024, needed)}) or lower world_size "
+            "(--world-size)."
+        )
 
 
 class _TensorValue:

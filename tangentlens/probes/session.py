@@ -35,7 +35,7 @@ from ..core.validation import check_int, check_layers
 from ..hooks.base import Backend, Handle, get_backend
 from ..hooks.families import unwrap
 from ..hooks.sites import NamesFilter, Site, missing_site_error, select_sites
-from ..models.batches import check_mask
+from ..models.batches import check_mask, check_tokens
 from . import registry, weight_gradient  # noqa: F401 (each probe module registers its probe)
 from .activation import ActivationProbe
 from .attention import AttentionProbe
@@ -278,9 +278,13 @@ class ProbeSession:
         if errors:
             raise errors[0]
 
-    def _on_inputs(self, mask: Tensor | None) -> None:
+    def _on_inputs(self, mask: Tensor | None, ids: Tensor | None = None) -> None:
         self._passes += 1
         self._group = self._passes if self.group_of is None else int(self.group_of(self._passes))
+        if ids is not None and not ids.is_meta:
+            # the checks `run` makes, for passes the caller runs: named here, not an
+            # IndexError deep in an embedding (or a silent run past the context)
+            check_tokens(self.model, ids, what="input_ids")
         if mask is not None:
             check_mask(mask)  # 2, -1 or NaN would silently count as "keep"
         # bool once per pass, so every site sees the same mask tensor (see SharedBatch)

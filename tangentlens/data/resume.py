@@ -1,0 +1,150 @@
+"""What a resumed training run checks, and what starting over deletes.
+
+A run's folder (`tangentlens.data.train.train`) resumes only the run it holds. Its
+configuration is its ``train_config.json``; the corpus text and the tokenizer are recorded
+by content (SHA-256, `inputs_digest`) in the training state and in every checkpoint's
+``tangentlens.json``, because both are read by name: a corpus file edited between a kill
+and the rerun, or a tokenizer folder changed by hand, would otherwise be resumed without a
+word, and the final weights would match neither text. A changed input is a `UsageError`
+naming it and the three fixes: restore it, start over (``--restart``), or another folder.
+
+`start_over` deletes what the trainer made (checkpoints, state, tokenizer, records) and
+nothing else, and only in a folder that no other command wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import CorruptFileError, UsageError
+from ..core.files import RECORD_FILE, check_safetensors, lock_folder, read_json
+from .checkpoints import METADATA_FILE
+
+__all__ = [
+    "CONFIG_FILE",
+    "INPUT_KEYS",
+    "STATE_FILE",
+    "TOKENIZER_DIR",
+    "check_inputs",
+    "inputs_digest",
+    "is_started",
+    "start_over",
+]
+
+CONFIG_FILE = "train_config.json"
+STATE_FILE = "train_state.safetensors"
+TOKENIZER_DIR = "tokenizer"
+INPUT_KEYS = ("corpus_sha256", "tokenizer_sha256")
+TRAIN_COMMANDS = ("train", "train --seeds")  # the records `start_over` may clear
+_STEP = re.compile(r"step\d+")
+_SEED = re.compile(r"seed\d+")
+RESTART = (  # the fixes every refusal of a resume names
+    "rerun with --restart (train(..., restart=True)) to delete its checkpoints and train "
+    "again from step 0, or choose a new --out"
+)
+
+
+def inputs_digest(lines: list[str], tokenizer_dir: Path) -> dict[str, str]:
+    """SHA-256 of the corpus text a run trains on (its lines, after ``max_chars``) and of
+    the tokenizer folder's files (names and bytes: they are written once and never
+    rewritten, so the digest does not move with a library's serialisation)."""
+    tokenizer = hashlib.sha256()
+    for path in sorted(p for p in tokenizer_dir.rglob("*") if p.is_file()):
+        tokenizer.update(f"{path.relative_to(tokenizer_dir)}|{path.stat().st_size}|".encode())
+        tokenizer.update(path.read_bytes())
+    corpus = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    return {"corpus_sha256": corpus, "tokenizer_sha256": tokenizer.hexdigest()}
+
+
+def _steps(out: Path) -> list[Path]:
+    return sorted(p for p in out.glob("step*") if p.is_dir() and _STEP.fullmatch(p.name))
+
+
+def is_started(out: Path) -> bool:
+    """Whether ``out`` holds a checkpoint or a training state (anything a resume keeps)."""
+    return (out / STATE_FILE).exists() or bool(_steps(out))
+
+
+def check_inputs(out: Path, inputs: Mapping[str, str], corpus: str | None) -> None:
+    """Refuse to resume ``out`` with a corpus or tokenizer other than the one its training
+    state and checkpoints record (a record without these keys tells nothing). ``corpus``:
+    the configured corpus, named in the message."""
+    records: list[tuple[Path, Mapping[str, Any]]] = []
+    if (out / STATE_FILE).is_file():
+        records.append(
+            (out / STATE_FILE, check_safetensors(out / STATE_FILE).get("__metadata__", {}))
+        )
+    for folder in _steps(out):
+        if (folder / METADATA_FILE).is_file():
+            meta = read_json(folder / METADATA_FILE, dict, fix="delete that checkpoint and rerun")
+            records.append((folder, meta))
+    for where, record in records:
+        if record.get("corpus_sha256", inputs["corpus_sha256"]) != inputs["corpus_sha256"]:
+            name = "the embedded KJV corpus" if corpus in (None, "kjv") else f"the corpus {corpus}"
+            raise UsageError(
+                f"{name} is not the text {where} was trained on (its SHA-256 differs): restore "
+                f"it, {RESTART}."
+            )
+        if record.get("tokenizer_sha256", inputs["tokenizer_sha256"]) != inputs["tokenizer_sha256"]:
+            raise UsageError(
+                f"{out / TOKENIZER_DIR} is not the tokenizer {where} was trained with (its "
+                f"SHA-256 differs): restore it, {RESTART}."
+            )
+
+
+def start_over(out: str | Path) -> None:
+    """Delete a `tangentlens train` run's checkpoints, state, tokenizer and config in
+    ``out`` (in each ``seed{S}/`` run too, for a `train --seeds` folder), so the next run
+    starts from step 0, with these options or others. A folder that another command wrote
+    is refused with a `UsageError` and left as it is; files the trainer does not make are
+    never deleted."""
+    out = Path(out).expanduser()
+    if not out.is_dir():
+        return
+    with lock_folder(out, "train"):  # nests inside the caller's hold of the same folder
+        if not _is_train_folder(out):
+            return
+        for seed in sorted(p for p in out.iterdir() if p.is_dir() and _SEED.fullmatch(p.name)):
+            with lock_folder(seed, "train"):
+                if _is_train_folder(seed):
+                    _forget(seed)
+        _forget(out)
+
+
+def _is_train_folder(folder: Path) -> bool:
+    """Whether ``folder`` is the trainer's: its record names only training commands (or,
+    without a record, it has the trainer's config file); a record naming any other command
+    is a `UsageError`."""
+    record = folder / RECORD_FILE
+    if not record.is_file():
+        return (folder / CONFIG_FILE).is_file()
+    writers = read_json(record, dict, fix="restore it, or choose a new --out").get("writers")
+    if not isinstance(writers, list) or not all(
+        isinstance(w, dict) and isinstance(w.get("command"), str) for w in writers
+    ):
+        raise CorruptFileError(
+            f"{record} is damaged (no list of writers, each naming its command); restore it, "
+            "or choose a new --out."
+        )
+    others = sorted({w["command"] for w in writers} - set(TRAIN_COMMANDS))
+    if others:
+        raise UsageError(
+            f"{folder} holds the output of `tangentlens {others[0]}`; --restart deletes only "
+            "what `tangentlens train` made: choose a new --out."
+        )
+    return True
+
+
+def _forget(folder: Path) -> None:
+    for path in (*_steps(folder), folder / TOKENIZER_DIR):
+        if path.is_dir():
+            shutil.rmtree(path)
+    # the folder record stays: it says the folder is the trainer's, and a claim with
+    # other options replaces it once no checkpoint is left
+    for name in (STATE_FILE, CONFIG_FILE):
+        (folder / name).unlink(missing_ok=True)
