@@ -449,9 +449,10 @@ class ProbeSession:
     def _check_seen(self) -> None:
         if self._hooks_lost or (self._active and _lost(self._handles)):
             raise UsageError(
-                "the probe session's hooks were removed while it was open (model.reset_hooks() "
-                "inside `with probe(...)`?); its statistics stopped there. Drop that call, or "
-                "reset your own hooks with model.hooks(...) contexts instead."
+                "the probe session's hooks were removed while it was open (TransformerLens "
+                "model.reset_hooks(), or torch hooks cleared on an nnsight model's modules, "
+                "inside `with probe(...)`); its statistics stopped there. Remove only the "
+                "hooks you added (TransformerLens: model.hooks(...) contexts), then rerun."
             )
         if self._passes < 0 or self._seen["forward"] == 0:
             raise UsageError(
