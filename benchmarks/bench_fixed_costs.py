@@ -27,14 +27,20 @@ draw (``draw``, with the normal controls' rows) is timed once per d, before the 
 tree's (`_former.py`), interleaved, and prints both.
 
 Printed: each as a multiple of ``eigh`` (median over repeats, min–max), and eigh's own
-time. Timing on a shared machine is noisy: read the ratios; the load average is printed.
+time. ``--profile N`` adds, per d and implementation, the N functions with the most own
+CPU time in one call of the probe's tests (cProfile). Timing on a shared machine is noisy:
+read the ratios; the load average is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
+import time
 import types
 from collections.abc import Callable
 
@@ -111,6 +117,17 @@ def _report(name: str, times: dict[str, list[float]], unit: list[float]) -> str:
     return f"  {name:4s} " + "  ".join(cells)
 
 
+def _profile(name: str, fn: Callable[[], object], top: int) -> None:
+    """The ``top`` functions by own CPU time in one call of ``fn``."""
+    profiler = cProfile.Profile(time.process_time)
+    profiler.runcall(fn)
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    rows = [line for line in out.getvalue().splitlines() if line.strip()]
+    print(f"  {name}: probe tests, by own CPU time")
+    print("\n".join(f"    {line}" for line in rows[-top - 1 :]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", default="576,1024,2048,4096")
@@ -118,6 +135,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--controls", type=int, default=1000)
     ap.add_argument("--old", default=None, help="git revision to time beside this tree")
+    ap.add_argument("--profile", type=int, default=0, help="top N functions of the probe tests")
     args = ap.parse_args()
     print(f"load average {os.getloadavg()}; one thread", flush=True)
     impls = {"new": types.SimpleNamespace(significance=significance, subspace=subspace)}
@@ -160,6 +178,8 @@ def main() -> None:
             print(f"d={d:5d}  eigh {1e3 * eigh:8.1f} ms  (draw of the controls, once: {draw})")
             for name in reversed(list(impls)):
                 print(_report(name, times[name], unit), flush=True)
+            for name in reversed(list(impls)) if args.profile else ():
+                _profile(name, calls[name]["probe tests"], args.profile)
     print(f"\nrank {k}, {n} controls, repeats {args.repeat}; load {os.getloadavg()}")
 
 

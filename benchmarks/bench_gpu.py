@@ -38,12 +38,13 @@ def _states_on(device: torch.device) -> list[str]:
             lm_loss(bridge, x).backward()
             bridge.zero_grad(set_to_none=True)
     session.results(progress=False)
-    return [
-        f"{name}: {key} on {t.device}"
-        for name, p in session.probes.items()
-        for key, t in p.state_dict().items()
-        if t.device.type != device.type and t.numel() > 1
-    ]
+    off = []
+    for name, p in session.probes.items():
+        for key in {k.rsplit("/", 1)[0] for k in p.state_dict()}:  # state_dict copies to CPU
+            for part, t in p.state(key).state_dict().items():
+                if t.numel() > 1 and t.device.type != device.type:
+                    off.append(f"{name}: {key}/{part} on {t.device}")
+    return off
 
 
 def main() -> None:
