@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import torch
 from einops import rearrange
+from matplotlib.colors import LogNorm
 from models import BRIDGE_FAMILIES, FAMILIES, hf_model, tl_bridge
 from torch import Tensor
 
@@ -223,8 +224,8 @@ def table() -> pd.DataFrame:
     ids, mask = inputs()
     bases = {f"blocks.{layer}.ln1.hook_out": random_basis(layer) for layer in (0, 1)}
     bases |= {f"blocks.{layer}.hook_resid_mid": random_basis(5 + layer) for layer in (0, 1)}
-    with tangentlens.probe(model, bases, probes=("attention",), head_null=2) as session:
-        forward(model, ids, mask)
+    with tangentlens.probe(model, bases, probes=("attention",), head_null=99) as session:
+        forward(model, ids, mask)  # 99 frames: the null has its z too
     return session.results()
 
 
@@ -251,6 +252,8 @@ def test_plot_heads_panels_and_group_lines(table: pd.DataFrame) -> None:
     assert [ax.get_title() for ax in panels] == [*TERM_PANELS, "write_share"]
     for ax in panels:  # one separator between the two key/value groups, at head 1.5
         assert [line.get_xdata()[0] for line in ax.lines] == [1.5]
-    z = plot_heads(table, ["score_share_TT_z", "write_share_z"])
+    z = plot_heads(table, ["score_share_TT_z", "write_share_z", "score_share_TT_p_value"])
     image = z.axes[0].images[0]
     assert image.norm.vmin == -image.norm.vmax  # diverging, centred on 0
+    p = z.axes[2].images[0].norm  # log scale from the smallest p-value (at most 0.1) to 1
+    assert isinstance(p, LogNorm) and p.vmax == 1 and 1 / 100 <= p.vmin <= 0.1

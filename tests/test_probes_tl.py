@@ -432,8 +432,8 @@ def test_depth_profile_onset_amplification_and_plot(fitted: dict) -> None:
 
 
 def test_head_null_rows_and_switch(fitted: dict) -> None:
-    """Per-head shares come with their matched-rank null (mean, spread, z); head_null=0
-    turns it off."""
+    """Per-head shares come with their matched-rank null (mean, spread, p-value and, at the
+    default 99 frames, z); head_null=0 turns it off."""
     model, bases = tl_bridge("gpt2"), fitted["gpt2"]
     table = run(model, [tokens("gpt2")], bases, ("attention",), **OPTS).results()
     for t in ("TT", "TN", "NT", "NN", "bias"):
@@ -442,8 +442,10 @@ def test_head_null_rows_and_switch(fitted: dict) -> None:
         assert ((null["value"] >= 0) & (null["value"] <= 1)).all()
     z = table[table["statistic"] == "score_share_TT_z"]["value"]
     assert len(z) == 8 and z.notna().all()
+    p = table[table["statistic"] == "score_share_TT_p_value"]["value"]
+    assert len(p) == 8 and ((p >= 1 / 100) & (p <= 1)).all()
     off = run(model, [tokens("gpt2")], bases, ("attention",), head_null=0, **OPTS).results()
-    assert not off["statistic"].str.endswith(("_null", "_z")).any()
+    assert not off["statistic"].str.endswith(("_null", "_p_value", "_z")).any()
 
 
 def test_two_names_of_one_tensor_are_tested_once(fitted: dict, monkeypatch) -> None:

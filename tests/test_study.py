@@ -162,7 +162,7 @@ def test_table_columns_windows_and_statistics(study):
     tt = heads[heads["statistic"] == "score_share_TT"]["value"]
     assert ((tt >= 0) & (tt <= 1)).all()
     for term in ("TT", "TN", "NT", "NN"):  # every share with its null, at every checkpoint
-        for suffix in ("_null", "_null_std", "_z"):
+        for suffix in ("_null", "_null_std", "_p_value", "_z"):
             rows = heads[heads["statistic"] == f"score_share_{term}{suffix}"]
             assert set(rows["step"]) == set(STEPS) and rows["value"].notna().all()
     for step in STEPS:

@@ -2,11 +2,11 @@
 and heatmaps.
 
 `head_arrays` turns the attention probe's per-head rows (``score_share_TT`` …,
-``write_share``, any ``_z``) into a `HeadArrays`: a numpy ``(n_layers, n_heads)`` grid
-with its layer and head labels and each head's key/value group, ready for ``imshow`` or
-circuitsvis (``np.asarray(arrays)``). `plot_heads` draws one heatmap per statistic, with
-lines between the key/value groups of a grouped-query model. The report's head heatmap
-is built on `head_arrays`, so both read the table the same way.
+``write_share``, any ``_p_value`` or ``_z``) into a `HeadArrays`: a numpy ``(n_layers,
+n_heads)`` grid with its layer and head labels and each head's key/value group, ready for
+``imshow`` or circuitsvis (``np.asarray(arrays)``). `plot_heads` draws one heatmap per
+statistic, with lines between the key/value groups of a grouped-query model. The report's
+head heatmap is built on `head_arrays`, so both read the table the same way.
 
 >>> arrays = tangentlens.head_arrays(table, "score_share_TT")
 >>> fig = tangentlens.plot_heads(table)   # TT, TN, NT, NN (+ write_share when measured)
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from matplotlib.colors import SymLogNorm
+from matplotlib.colors import LogNorm, SymLogNorm
 from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
 from ..core.errors import UsageError
@@ -140,9 +140,10 @@ def plot_heads(
 ) -> Figure:
     """One heatmap (layer × head) per statistic, on scales that compare.
 
-    Shares share one 0–1 colour scale, so panels compare by colour; a ``_z`` statistic
-    gets a diverging symmetric-log scale centred on 0, since z against a null spans
-    decades. Dashed lines separate key/value groups (grouped-query attention); at most
+    Shares share one 0–1 colour scale, so panels compare by colour; a ``_p_value`` gets a
+    log scale from its smallest value (a null's p-values run from 1/(frames + 1) to 1, and
+    the small ones are the finding); a ``_z`` statistic a diverging symmetric-log scale
+    centred on 0, since z against a null spans decades. Dashed lines separate key/value groups (grouped-query attention); at most
     three panels a row.
 
     Args:
@@ -190,6 +191,10 @@ def plot_heads(
             bound = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
             norm = SymLogNorm(linthresh=1.0, vmin=-bound, vmax=bound)  # z spans decades
             image = ax.imshow(values, cmap=_DIVERGING, norm=norm, aspect="auto")
+        elif grid.statistic.endswith("_p_value"):
+            positive = values[np.isfinite(values) & (values > 0)]
+            low = min(float(positive.min()), 0.1) if positive.size else 0.01
+            image = ax.imshow(values, cmap=_SEQUENTIAL, norm=LogNorm(low, 1), aspect="auto")
         else:
             image = ax.imshow(values, cmap=_SEQUENTIAL, vmin=0, vmax=1, aspect="auto")
         ax.set_xticks(range(len(grid.heads)), [str(h) for h in grid.heads])

@@ -293,7 +293,7 @@ _BASE = [
 # --- attention: score shares of the split TT + TN + NT + NN + bias, and their nulls
 _TERMS = ("TT", "TN", "NT", "NN", "bias")
 _HEAD = "the layer's attention input, Q_T fitted there (rank k), the head, " + _TOKENS
-_NULL = "; head_null / n_null random frames orthogonal to Q_T (seed + layer)"
+_NULL = "; head_null random frames orthogonal to Q_T (seed + layer)"
 _KL = (
     "mean over kept query rows of KL(P ‖ P_TT) in nats, P = softmax(score + mask), P_TT = "
     "softmax(TT + bias + mask)"
@@ -312,9 +312,18 @@ for _name, _definition, _reading in _SCORE:
            _HEAD + _NULL, f"what {_name} is for k ordinary directions"),
         _S(f"{_name}_null_std", "attention", f"standard deviation of {_name} over the null "
            "frames", _HEAD + _NULL, "the spread of the null"),
+        _S(f"{_name}_p_value", "attention", f"(1 + #{{frames j: |{_name}_j − m| ≥ |{_name} − m|}})"
+           f"/(n + 1), two-sided, m the mean of {_name} and its n = head_null frame values "
+           "together; floor 1/(n + 1) (0.01 with 99 frames)", _HEAD + _NULL,
+           "small: Q_T is not an ordinary k-frame for this head, in either direction (the "
+           f"sign is in {_name} − {_name}_null): either is a finding, and the shares sum to 1, "
+           "so one term's excess is another's shortfall. Exact when Q_T and the frames are "
+           "exchangeable; the frames avoid Q_T, so it errs small by a margin of order k/d. It "
+           "cannot fall below 1/(n + 1)"),
         _S(f"{_name}_z", "attention", f"({_name} − {_name}_null)/{_name}_null_std (0 where the "
-           "null does not vary and equals it, ±inf where it differs)", _HEAD + _NULL,
-           "|z| large: Q_T is special for this head"),
+           "null does not vary and equals it, ±inf where it differs); only with at least 99 "
+           "frames, since a spread estimated from a few is too noisy to divide by",
+           _HEAD + _NULL, "|z| large: Q_T is special for this head; test with _p_value"),
     ]  # fmt: skip
 _WRITE = "the head, W_O, the basis of the residual stream written into (rank k), " + _TOKENS
 _ATTENTION += [

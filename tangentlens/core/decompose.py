@@ -62,7 +62,6 @@ __all__ = [
     "z_gram",
 ]
 
-
 TERMS = ("TT", "TN", "NT", "NN", "bias")
 
 
@@ -329,10 +328,9 @@ class ScoreSplit:
             frames[i, :, : basis.k] = basis.basis_
         coords = torch.einsum("bpd,ndk->nbpk", self.x.to(frames), frames)  # x Q, once
 
-        def tangent(w: Tensor) -> Tensor:  # in float64 (small products), then w's dtype
+        def tangent(w: Tensor) -> Tensor:  # x Q and Qᵀ W in float64, their product in w's
             w_t = torch.einsum("ndk,hde->nhke", frames, w.to(torch.float64))  # Qᵀ W
-            t = torch.einsum("nbpk,nhke->nbhpe", coords, w_t)
-            return torch.empty(t.shape, dtype=w.dtype, device=t.device).copy_(t)  # contiguous
+            return torch.einsum("nbpk,nhke->nbhpe", coords.to(w), w_t.to(w)).contiguous()
 
         return self._parts(tangent, _check_dtype(dtype or self.dtype))
 
@@ -354,8 +352,9 @@ class Parts:
     def __len__(self) -> int:
         return int(self._q[0].shape[0])
 
-    def terms(self, i: int, rows: slice = slice(None), keys: slice = slice(None)) -> Tensor:
-        """TT, TN, NT, NN of basis ``i`` on a block: ``(4, batch, head, rows, keys)``."""
+    def terms(self, i: int | slice, rows: slice = slice(None), keys: slice = slice(None)) -> Tensor:
+        """TT, TN, NT, NN of basis ``i`` on a block: ``(4, batch, head, rows, keys)``; of
+        the bases in slice ``i``, from one batched product each: ``(4, n, batch, ...)``."""
         qs = [q[i][..., rows, :].flatten(-3, -2) for q in self._q]
         ks = [k[i][..., keys, :] for k in self._k]
         out = qs[0].new_empty(4, *qs[0].shape[:-1], ks[0].shape[-2])

@@ -69,7 +69,9 @@ SEEDS = Setting(None, "training seeds, comma-separated", shown="one series")
 N_SEEDS = Setting(None, "seeds 0 to N-1, in place of --seeds", shown="none")
 # Options of the probes (their classes' keyword defaults) that the study shares.
 ZETA = Setting(0.1, "IsoScore* shrinkage toward the pooled reference (the paper's ζ)")
-HEAD_NULL = Setting(4, "random frames behind each head's null (0: none)")
+HEAD_NULL = Setting(
+    99, "random frames behind each head's null: its p-values reach 1/(N + 1) (0: none)"
+)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Registered probes inside the study: on every checkpoint's loaded model, one pass of
 each probe named in `StudyConfig.probes` (`tangentlens.probes.registry`), with the
 study's own Q_T at its smallest rank. By default that is the attention probe: per-head
-TT/TN/NT/NN/bias score shares and ``pattern_kl_TT``, each share with its null
-(``head_null`` random normal frames of matched rank: ``score_share_{t}_null``,
-``_null_std``, ``_z``).
+TT/TN/NT/NN/bias score shares and ``pattern_kl_TT``, each with its null (``head_null``
+random normal frames of matched rank: ``score_share_{t}_null``, ``_null_std``,
+``_p_value``, and ``_z`` from 99 frames on).
 
 **Which bases a probe is given.** Each probe runs in a session of its own, given the
 study's bases at the sites its spec reads (``spec.sites(plan)``, from a plan of every
