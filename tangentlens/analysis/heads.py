@@ -143,8 +143,8 @@ def plot_heads(
     Shares share one 0–1 colour scale, so panels compare by colour; a ``_p_value`` gets a
     log scale from its smallest value (a null's p-values run from 1/(frames + 1) to 1, and
     the small ones are the finding); a ``_z`` statistic a diverging symmetric-log scale
-    centred on 0, since z against a null spans decades. Dashed lines separate key/value groups (grouped-query attention); at most
-    three panels a row.
+    centred on 0, since z against a null spans decades. Dashed lines separate key/value
+    groups (grouped-query attention); at most three panels a row.
 
     Args:
         table: ``session.results()`` or a study table.
