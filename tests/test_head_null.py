@@ -12,8 +12,8 @@ from torch import Tensor
 
 from tangentlens.core.decompose import AttentionParams, ScoreSplit, keep_blocks, keep_mask
 from tangentlens.core.errors import UsageError
-from tangentlens.core.significance import two_sided_p_value
 from tangentlens.core.subspace import TangentBasis
+from tangentlens.core.uncertainty import two_sided_p_value
 from tangentlens.hooks.sites import Site
 from tangentlens.probes import attention_stats
 from tangentlens.probes.attention import STATISTICS, AttentionProbe

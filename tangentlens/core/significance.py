@@ -64,7 +64,6 @@ __all__ = [
     "pooled_shape",
     "reference_at",
     "tangent_tests",
-    "two_sided_p_value",
 ]
 
 Controls = Literal["uniform", "normal"]
@@ -159,28 +158,6 @@ def _warn_exchangeability(basis: TangentBasis, controls: str) -> None:
 
 def _add_one_p(null: Tensor, observed: float) -> float:
     return (1 + int((null >= observed).sum())) / (null.numel() + 1)
-
-
-def two_sided_p_value(value: Tensor, null: Tensor) -> Tensor:
-    """(1 + #{j: |null_j − m| ≥ |value − m|})/(n + 1) for each entry of ``value`` against
-    the n rows of ``null`` (``(n, *value.shape)``), m the mean of the value and its n null
-    values together; float64, NaN where any of them is NaN.
-
-    Centring on that pooled mean, not on the null's own, keeps the statistic a symmetric
-    function of all n + 1 values, so when they are exchangeable the p-value is exact at
-    every n (P(p ≤ α) ≤ α; ties count as extreme). Its floor is 1/(n + 1): a p-value of
-    0.01 needs 99 null values."""
-    null = torch.as_tensor(null, dtype=torch.float64)
-    value = torch.as_tensor(value).to(null)
-    if null.ndim < 1 or null.shape[1:] != value.shape or len(null) < 1:
-        raise UsageError(
-            f"null must be (n, *value.shape) with n >= 1 and value.shape = "
-            f"{tuple(value.shape)}; got {tuple(null.shape)}."
-        )
-    centre = (value + null.sum(0)) / (len(null) + 1)
-    extreme = ((null - centre).abs() >= (value - centre).abs()).sum(0)
-    p = (1 + extreme).to(null) / (len(null) + 1)
-    return torch.where(value.isnan() | null.isnan().any(0), torch.nan, p)
 
 
 # --------------------------------------------------------------- energy test

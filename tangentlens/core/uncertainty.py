@@ -17,6 +17,9 @@ Memory per site: G × the statistics' memory for `Moments` groups (`tangent_inte
 G float64 d×d matrices, 47 MB for G = 10 at d = 768); the scalar-sum path
 (`share_intervals`) costs G × 2 floats per site, for probes that know Q_T while they
 stream and keep only Σ‖xᵀQ_T‖² and Σ‖x‖² per group.
+
+Beside the intervals, `two_sided_p_value`: a value against null draws (the attention
+probe's per-head frames), exact when they are exchangeable.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from .stats import Moments
 from .subspace import TangentBasis, shares, tangent_share
 from .validation import check_int, check_rank
 
-__all__ = ["jackknife_interval", "share_intervals", "tangent_intervals"]
+__all__ = ["jackknife_interval", "share_intervals", "tangent_intervals", "two_sided_p_value"]
 
 
 def jackknife_interval(
@@ -181,3 +184,25 @@ def share_intervals(
         ]
         out["normalized_ratio"] = jackknife_interval(norm[1:], norm[0], level=level, log_scale=True)
     return out
+
+
+def two_sided_p_value(value: Tensor, null: Tensor) -> Tensor:
+    """(1 + #{j: |null_j − m| ≥ |value − m|})/(n + 1) for each entry of ``value`` against
+    the n rows of ``null`` (``(n, *value.shape)``), m the mean of the value and its n null
+    values together; float64, NaN where any of them is NaN.
+
+    Centring on that pooled mean, not on the null's own, keeps the statistic a symmetric
+    function of all n + 1 values, so when they are exchangeable the p-value is exact at
+    every n (P(p ≤ α) ≤ α; ties count as extreme). Its floor is 1/(n + 1): a p-value of
+    0.01 needs 99 null values."""
+    null = torch.as_tensor(null, dtype=torch.float64)
+    value = torch.as_tensor(value).to(null)
+    if null.ndim < 1 or null.shape[1:] != value.shape or len(null) < 1:
+        raise UsageError(
+            f"null must be (n, *value.shape) with n >= 1 and value.shape = "
+            f"{tuple(value.shape)}; got {tuple(null.shape)}."
+        )
+    centre = (value + null.sum(0)) / (len(null) + 1)
+    extreme = ((null - centre).abs() >= (value - centre).abs()).sum(0)
+    p = (1 + extreme).to(null) / (len(null) + 1)
+    return torch.where(value.isnan() | null.isnan().any(0), torch.nan, p)

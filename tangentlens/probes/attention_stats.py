@@ -7,7 +7,7 @@
 - :class:`_Block`: what every basis shares on one block of query rows (the model's
   pattern and the bias term), made once per block for the basis and all its frames;
 - :func:`null_summary`: a statistic against its frames: their mean and spread, a
-  two-sided empirical p-value (`tangentlens.core.significance.two_sided_p_value`) and,
+  two-sided empirical p-value (`tangentlens.core.uncertainty.two_sided_p_value`) and,
   only with enough frames for its spread to be known (`MIN_Z_FRAMES`), a z;
 - :func:`frame_plan`: how many frames go into one batched product (bounded memory).
 """
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..core.decompose import TERMS, keep_mask
 from ..core.errors import CorruptFileError, UsageError
-from ..core.significance import two_sided_p_value
+from ..core.uncertainty import two_sided_p_value
 from ..core.validation import check_int
 
 __all__ = [
