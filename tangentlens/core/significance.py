@@ -10,8 +10,10 @@ Gram trick. Both tests read only d×d statistics: a control costs O(d·k²), nev
 another pass over tokens (`tangentlens.core.controls`: one tridiagonal reduction per site
 serves both tests and both kinds of controls, since the energy test's second moment is the
 covariance plus the mean's outer product and the isotropy test's covariance is the same
-matrix scaled by n/(n − 1)). `benchmarks/bench_site_tests.py` times one site
-(docs/PERFORMANCE.md).
+matrix scaled by n/(n − 1), or by f·n/(n − 1) when ΔIsoScore*'s reference makes it f
+times the covariance, as a pool of one checkpoint does; another reference needs a
+reduction of its own). `benchmarks/bench_fixed_costs.py` times one site against one
+top-k eigendecomposition (docs/PERFORMANCE.md).
 
 Controls. ``controls="uniform"`` (the default) draws frames from the whole space, which
 makes Q_T exchangeable with the controls under any rotation-invariant null, so its
@@ -31,8 +33,10 @@ many gradients as d, rounding-level changes of the statistics (another BLAS or t
 count) move the controls' traces at rounding level; with fewer, the null space is
 invisible to them, but the reduction's last coordinates inside the range are
 ill-conditioned, so a p-value may come out as another, equally exact Monte-Carlo
-realisation (`controls.SiteFrames`). Each site's p-value is exact; p-values of different
-sites share their controls, so they are dependent.
+realisation (`controls.SiteFrames`). The coordinates are part of a realisation too: a
+ΔIsoScore* reference that is a multiple of the covariance reads the controls in the
+covariance's coordinates, any other reference in those of its own S. Each site's p-value
+is exact; p-values of different sites share their controls, so they are dependent.
 """
 
 from __future__ import annotations
