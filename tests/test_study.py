@@ -92,6 +92,7 @@ def test_config_round_trip_and_normalisation(series_dir):
         ("n_controls", 0, "n_controls"),
         ("reservoir", 2, "reservoir"),
         ("seq_len", 1, "seq_len"),
+        ("head_null", 1, "head_null"),
     ],
 )
 def test_config_rejects_bad_values(series_dir, field, value, match):

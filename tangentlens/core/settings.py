@@ -168,9 +168,12 @@ QUICK_STUDY = {
 QUICK_DEMO = {"seeds": (0, 1)}
 """`--quick` demo: two seeds, so the quick run has every part of the full one."""
 
-DEMO_STUDY = {"n_sequences": 128, "early": (0, 8)}
+DEMO_STUDY = {"n_sequences": 128, "head_sequences": 4, "early": (0, 8)}
 """The demo's study of each series (`QUICK_STUDY` in its place with ``--quick``). The demo studies
 three seeds of two designs in minutes, so each study takes half the probe sequences of
-`tangentlens study` (the jackknife keeps its groups). The early window is the log-spaced
-steps 0 to 8: a window of the first steps by fraction would reach well into the loss drop
-of so short a run, where gradients are no longer those of early training."""
+`tangentlens study` (the jackknife keeps its groups), and half its head sequences: the heads'
+pass carries the null of every head statistic (`HEAD_NULL` frames, each a full set of score
+terms), so halving its tokens halves the pass and keeps every null and p-value. The early
+window is the log-spaced steps 0 to 8: a window of the first steps by fraction would reach
+well into the loss drop of so short a run, where gradients are no longer those of early
+training."""

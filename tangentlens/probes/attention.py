@@ -264,16 +264,16 @@ class AttentionProbe(Probe):
         for c, frames in enumerate(chunks or [None]):
             jobs = [(split.parts([basis]), accs[0], 0, None)] if c == 0 else []
             if frames is not None:
-                parts = split.parts(nulls[frames], dtype=torch.float32)
-                jobs.append((parts, accs[1], slice(None), frames))
+                frame_parts = split.parts(nulls[frames], dtype=torch.float32)
+                jobs.append((frame_parts, accs[1], slice(None), frames))
             for b, (rows, keys) in enumerate(keep_blocks(pos, **rule)):
                 block = made.get(b) or _Block(
                     split.scores(rows, keys), split.bias(rows, keys), keep[..., rows, keys]
                 )
                 if reuse:
                     made[b] = block
-                for parts, acc, which, at in jobs:
-                    acc._add(parts.terms(which, rows, keys), block, at)
+                for part, target, which, at in jobs:
+                    target._add(part.terms(which, rows, keys), block, at)
         for acc in accs:
             acc._count(keep)
 

@@ -45,10 +45,10 @@ frames is also the fewest at which the p-value can reach 0.01."""
 
 FRAME_CHUNK_BYTES = 16 * 2**20
 """Bytes of float32 frame terms and projections one batched product may hold
-(`frame_plan`). Far beyond a product per frame's dispatch costs, and below the size at
-which the C allocator hands each temporary fresh pages from the system (32 MiB at most
-for glibc): touching those for the first time, chunk after chunk, costs more than the
-arithmetic on them."""
+(`frame_plan`): enough frames that each product's dispatch is small beside its
+arithmetic, and temporaries below the size at which the C allocator maps fresh pages from
+the system for each (32 MiB at most for glibc), whose first touch, chunk after chunk,
+costs more than the arithmetic on them."""
 
 PATTERN_BYTES = 256 * 2**20
 """Bytes the blocks' patterns (`_Block`) of one input may hold to be kept for every chunk

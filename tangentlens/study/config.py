@@ -120,6 +120,8 @@ class StudyConfig:
             if not is_int(value) or value < 0:
                 raise UsageError(f"StudyConfig.{name} must be an int >= 0; got {value!r}.")
             setattr(self, name, int(value))
+        if self.head_null == 1:  # one frame: no spread, and no p-value below 1/2
+            raise UsageError("StudyConfig.head_null must be 0 (no null) or at least 2 frames.")
         if not is_int(self.n_groups) or self.n_groups < 2:
             raise UsageError(f"StudyConfig.n_groups must be an int >= 2; got {self.n_groups!r}.")
         for name in positive:

@@ -1,0 +1,172 @@
+"""The attention probe's head null: what 4 and 99 frames cost, as ratios to a bare
+forward+backward timed in the same process.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_head_null.py [--repeat 7] [--threads 1]
+        [--large | --smollm2 LAYERS | --checkpoint DIR] [--old REV]
+
+Model: a TransformerLens native bridge with random weights in the demo decoder's shape
+(d_model 128, 4 layers, 4 heads of 32, vocab 4096), one batch of 8 × 64 tokens (the
+study's head pass: ``head_sequences`` 8 at ``seq_len`` 64); ``--large``: d_model 256, 8
+heads, 8 × 128 tokens; ``--smollm2 0,15,29``: SmolLM2-135M (30 layers, 9 heads of 64 on 3
+key/value heads, rotary), 4 × 128 tokens, the attention inputs of those layers;
+``--checkpoint DIR``: a local Hugging Face folder (a demo checkpoint, e.g.
+``runs/demo/encoder/seed0/checkpoints/step256``), 8 × 64 tokens, its masked-token loss if
+it is an encoder. Bases of rank 16 at the attention inputs (`fit_bases`).
+
+Each repeat times a bare forward+backward of the summed next-token loss, then a forward
+(no grad) inside `probe` with the attention probe alone at ``head_null`` = 0, 4 and 99,
+in an order that rotates between repeats; ``--old REV`` adds git revision REV's probe
+(loaded from its source) at 4 and 99 frames. Each time is divided by that repeat's bare
+forward+backward: the median over repeats and the min–max are printed, with the cost of
+one frame ((t₉₉ − t₀)/99 and (t₄ − t₀)/4). Times are the process's CPU time: with one
+torch thread (the default, as the study runs) that is the work done, and other jobs on a
+shared machine move it far less than the wall clock, which is printed too. Compare ratios
+from one run, never seconds across runs; the load average is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+import types
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from tangentlens import models
+from tangentlens.hooks import get_backend
+from tangentlens.hooks.families import is_causal
+from tangentlens.hooks.sites import Site
+from tangentlens.probes import AttentionProbe, fit_bases, lm_loss, mlm_loss, probe
+from tangentlens.probes.base import Probe
+
+
+def build(d_model: int, n_ctx: int) -> torch.nn.Module:
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    cfg = TransformerBridgeConfig(
+        d_model=d_model,
+        d_head=32,
+        n_heads=d_model // 32,
+        n_layers=4,
+        n_ctx=n_ctx,
+        d_vocab=4096,
+        d_mlp=4 * d_model,
+        act_fn="gelu",
+        seed=0,
+    )
+    return TransformerBridge.boot_native(cfg).eval()
+
+
+def old_probe(rev: str) -> type:
+    """The AttentionProbe class of git revision ``rev``, without registering it again."""
+    src = subprocess.run(
+        ["git", "show", f"{rev}:tangentlens/probes/attention.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    src = src[: src.index("def _inputs")]
+    module = types.ModuleType("tangentlens.probes._former_attention")
+    module.__package__ = "tangentlens.probes"
+    exec(compile(src, f"{rev}:attention.py", "exec"), module.__dict__)
+    return module.AttentionProbe
+
+
+def clocked(fn: Callable[[], None]) -> tuple[float, float]:
+    """CPU and wall-clock seconds of one call of ``fn``."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    fn()
+    return time.process_time() - cpu, time.perf_counter() - wall
+
+
+def summary(values: list[float], digits: int = 2) -> str:
+    """Median (min–max)."""
+    med, low, high = statistics.median(values), min(values), max(values)
+    return f"{med:6.{digits}f}×  ({low:.{digits}f}–{high:.{digits}f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--large", action="store_true", help="d_model 256, 8 heads, 8 × 128")
+    ap.add_argument("--smollm2", default=None, help="SmolLM2-135M at these layers, 4 × 128")
+    ap.add_argument("--checkpoint", default=None, help="a local HF folder, 8 × 64")
+    ap.add_argument("--old", default=None, help="also this git revision's probe")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    d, batch, pos = (256, 8, 128) if args.large else (128, 8, 64)
+    layers_of = None if args.smollm2 is None else [int(v) for v in args.smollm2.split(",")]
+    if args.checkpoint:
+        model, tok = models.load(args.checkpoint)
+        vocab, shape = len(tok), args.checkpoint
+    elif layers_of is None:
+        model, vocab = build(d, pos), 4096
+        shape = f"native bridge d_model={d}, 4 layers, {d // 32} heads"
+    else:
+        (model, tok), batch, pos = models.load("smollm2-135m"), 4, 128
+        vocab, shape = len(tok), f"SmolLM2-135M, layers {args.smollm2}"
+    loss = lm_loss if is_causal(model) else mlm_loss
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, pos), generator=gen)
+    fit = [torch.randint(0, vocab, (batch, pos), generator=gen) for _ in range(2)]
+    is_input = lambda name: Site.from_hook_name(name).kind == "attn_in"  # noqa: E731
+    bases = fit_bases(model, fit, rank=16, sites=is_input, layers=layers_of, progress=False)
+    backend = get_backend(model)
+    layers = {s: (bases[s], backend.attention_params(s.layer)) for s in map(Site.parse, bases)}
+
+    def bare() -> None:
+        model.zero_grad(set_to_none=True)
+        loss(model, ids).backward()
+
+    def probed(made: Probe) -> Callable[[], None]:
+        def call() -> None:
+            with torch.no_grad(), probe(model, {}, [made]):
+                model(ids)
+
+        return call
+
+    runs = {f"head_null={n}": probed(AttentionProbe(layers, head_null=n)) for n in (0, 4, 99)}
+    if args.old:
+        former = old_probe(args.old)
+        for n in (4, 99):
+            runs[f"{args.old} head_null={n}"] = probed(former(layers, head_null=n))
+    for fn in (bare, *runs.values()):
+        fn()  # warm-up
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    bare_s: list[float] = []
+    names = list(runs)
+    load = os.getloadavg()[0]
+    for r in range(args.repeat):
+        bare_cpu, bare_wall = clocked(bare)
+        bare_s.append(bare_cpu)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t_cpu, t_wall = clocked(runs[name])
+            cpu[name].append(t_cpu / bare_cpu)
+            wall[name].append(t_wall / bare_wall)
+    print(
+        f"torch threads {torch.get_num_threads()}; {shape}; batch {batch} × {pos}; "
+        f"rank 16 at {len(layers)} attention inputs; "
+        f"{args.repeat} repeats; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; "
+        f"bare forward+backward {statistics.median(bare_s) * 1e3:.0f} ms CPU"
+    )
+    print(f"{'attention probe, forward only':<30} {'CPU over bare (min–max)':<26} wall clock")
+    for name in runs:
+        print(f"{name:<30} {summary(cpu[name]):<26} {summary(wall[name])}")
+    for prefix in ("", f"{args.old} ") if args.old else ("",):
+        for n in (4, 99):
+            pairs = zip(cpu[f"{prefix}head_null={n}"], cpu["head_null=0"], strict=True)
+            per = [(a - b) / n for a, b in pairs]
+            print(f"{f'{prefix}one frame of {n} (CPU)':<30} {summary(per, 3)}")
+
+
+if __name__ == "__main__":
+    main()
