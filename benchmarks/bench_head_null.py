@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from bench_probes import build  # the native bridge the probe benchmarks share
 
 from tangentlens import models
 from tangentlens.hooks import get_backend
@@ -43,24 +44,6 @@ from tangentlens.hooks.families import is_causal
 from tangentlens.hooks.sites import Site
 from tangentlens.probes import AttentionProbe, fit_bases, lm_loss, mlm_loss, probe
 from tangentlens.probes.base import Probe
-
-
-def build(d_model: int, n_ctx: int) -> torch.nn.Module:
-    from transformer_lens.config import TransformerBridgeConfig
-    from transformer_lens.model_bridge import TransformerBridge
-
-    cfg = TransformerBridgeConfig(
-        d_model=d_model,
-        d_head=32,
-        n_heads=d_model // 32,
-        n_layers=4,
-        n_ctx=n_ctx,
-        d_vocab=4096,
-        d_mlp=4 * d_model,
-        act_fn="gelu",
-        seed=0,
-    )
-    return TransformerBridge.boot_native(cfg).eval()
 
 
 def old_probe(rev: str) -> type:
@@ -108,7 +91,7 @@ def main() -> None:
         model, tok = models.load(args.checkpoint)
         vocab, shape = len(tok), args.checkpoint
     elif layers_of is None:
-        model, vocab = build(d, pos), 4096
+        model, vocab = build(d, 4, pos), 4096
         shape = f"native bridge d_model={d}, 4 layers, {d // 32} heads"
     else:
         (model, tok), batch, pos = models.load("smollm2-135m"), 4, 128
