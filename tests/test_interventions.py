@@ -140,7 +140,10 @@ def test_head_effects_run_on_nnsight_as_on_the_bridge(one_thread) -> None:
         z = (ours["statistic"] == "z").to_numpy()
         a, b = (torch.tensor(t["value"].to_numpy()) for t in (ours, theirs))
         torch.testing.assert_close(a[~z], b[~z], rtol=0, atol=5e-7)
-        torch.testing.assert_close(a[z], b[z], rtol=5e-2, atol=0)
+        # so z may move by (the metrics' 5e-7 per term, over the null's own spread)
+        spread = ours.loc[ours["statistic"] == "delta_metric_null_std", "value"].to_numpy()
+        allowed = torch.tensor(4 * 5e-7 / spread) * (1 + a[z].abs())
+        assert bool(((a[z] - b[z]).abs() <= allowed).all()), (a[z], b[z], allowed)
 
 
 def test_head_effects_edit_equals_keep_terms(llama, one_thread) -> None:
