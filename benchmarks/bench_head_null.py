@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import time
-import types
 import warnings
 from collections.abc import Callable
 
 import torch
+from _former import former_probe
 from bench_probes import build  # the native bridge the probe benchmarks share
 
 from tangentlens import models
@@ -44,21 +43,6 @@ from tangentlens.hooks.families import is_causal
 from tangentlens.hooks.sites import Site
 from tangentlens.probes import AttentionProbe, fit_bases, lm_loss, mlm_loss, probe
 from tangentlens.probes.base import Probe
-
-
-def old_probe(rev: str) -> type:
-    """The AttentionProbe class of git revision ``rev``, without registering it again."""
-    src = subprocess.run(
-        ["git", "show", f"{rev}:tangentlens/probes/attention.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    src = src[: src.index("def _inputs")]
-    module = types.ModuleType("tangentlens.probes._former_attention")
-    module.__package__ = "tangentlens.probes"
-    exec(compile(src, f"{rev}:attention.py", "exec"), module.__dict__)
-    return module.AttentionProbe
 
 
 def clocked(fn: Callable[[], None]) -> tuple[float, float]:
@@ -118,7 +102,7 @@ def main() -> None:
 
     runs = {f"head_null={n}": probed(AttentionProbe(layers, head_null=n)) for n in (0, 4, 99)}
     if args.old:
-        former = old_probe(args.old)
+        former = former_probe(args.old, "attention", "AttentionProbe", "def _inputs")
         for n in (4, 99):
             runs[f"{args.old} head_null={n}"] = probed(former(layers, head_null=n))
     for fn in (bare, *runs.values()):

@@ -18,32 +18,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import time
-import types
 import warnings
 
 import numpy as np
 import torch
+from _former import former_probe
 
 import tangentlens.probes.weight_gradient as wg
 from tangentlens import models
 from tangentlens.hooks import INPUT_KINDS, get_backend
 from tangentlens.probes import fit_bases, lm_loss, probe
-
-
-def _old_probe(rev: str) -> type:
-    src = subprocess.run(
-        ["git", "show", f"{rev}:tangentlens/probes/weight_gradient.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    src = src[: src.index("def _input_sites")]  # without registering it a second time
-    module = types.ModuleType("tangentlens.probes._former_weight_gradient")
-    module.__package__ = "tangentlens.probes"
-    exec(compile(src, f"{rev}:weight_gradient.py", "exec"), module.__dict__)
-    return module.WeightGradientProbe
 
 
 def _worst(ref, other) -> dict[str, str]:
@@ -70,7 +55,10 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     print(f"load average {os.getloadavg()}", flush=True)
-    kinds = {"old": _old_probe(args.old), "new": wg.WeightGradientProbe}
+    kinds = {
+        "old": former_probe(args.old, "weight_gradient", "WeightGradientProbe", "def _input_sites"),
+        "new": wg.WeightGradientProbe,
+    }
     bridge, tok = models.load("smollm2-135m")
     backend = get_backend(bridge)
     layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
