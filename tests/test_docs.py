@@ -1,5 +1,6 @@
 """The documentation says what is, not how it came to be: no work-journal phrases in the
-README, docs/, the package, the benchmarks or the examples."""
+README, docs/, the package, the benchmarks or the examples; the README stays short, and
+docs/PERFORMANCE.md's commands run scripts and options that exist."""
 
 from __future__ import annotations
 
@@ -45,3 +46,24 @@ def test_the_pattern_catches_the_phrases() -> None:
     for phrase in ("the Previous Round's run", "as the brief warned", "see issue 14", "issue #3"):
         assert HISTORY.search(phrase)
     assert not HISTORY.search("the previous layer present")
+
+
+def test_readme_fits_in_200_lines() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def test_performance_commands_name_real_scripts_and_options() -> None:
+    """Each table of docs/PERFORMANCE.md names the command that made it: every script it
+    runs exists, and every option it passes is one that script (or its shared helpers)
+    defines."""
+    text = (ROOT / "docs" / "PERFORMANCE.md").read_text(encoding="utf-8")
+    helpers = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "benchmarks").glob("_*.py"))
+    commands = re.findall(r"benchmarks/(\w+\.py)([^`|\n]*)", text)
+    assert commands, "docs/PERFORMANCE.md names no benchmark command"
+    for name, arguments in commands:
+        script = ROOT / "benchmarks" / name
+        assert script.is_file(), f"docs/PERFORMANCE.md runs benchmarks/{name}, which is missing"
+        source = script.read_text(encoding="utf-8") + helpers
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", arguments):
+            assert f'"{flag}"' in source, f"benchmarks/{name} defines no {flag}"
