@@ -38,7 +38,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -500,6 +500,7 @@ def load(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
+    progress: bool = True,
 ) -> LoadedModel:
     """Load a model offline for either backend, with its tokenizer.
 
@@ -517,6 +518,7 @@ def load(
         backend: ``"transformer_lens"`` or ``"nnsight"``.
         device: Where the weights go.
         dtype: A torch dtype or its name (default: float32).
+        progress: Show transformers' loading and conversion bars.
 
     Returns:
         A `LoadedModel` (in eval mode): ``model``, ``tokenizer``, ``name``, ``backend``,
@@ -538,15 +540,16 @@ def load(
     check_backend(backend)
     torch_dtype = _dtype(dtype)
     device = str(device)
-    source = model_folder(name)
-    if isinstance(source, str):
-        _check_hub(source)
-    try:
-        model, tokenizer, causal = _load_source(str(source), backend, torch_dtype, device)
-    except SafetensorError as err:
-        raise CorruptFileError(
-            f"the weights of {source} are damaged ({err}); restore the model folder."
-        ) from err
+    with nullcontext() if progress else quiet_transformers():
+        source = model_folder(name)
+        if isinstance(source, str):
+            _check_hub(source)
+        try:
+            model, tokenizer, causal = _load_source(str(source), backend, torch_dtype, device)
+        except SafetensorError as err:
+            raise CorruptFileError(
+                f"the weights of {source} are damaged ({err}); restore the model folder."
+            ) from err
     return LoadedModel(model, tokenizer, name, backend, str(source), causal)
 
 
