@@ -94,6 +94,24 @@ def test_holm_across_the_claims_of_one_call() -> None:
     assert all(c.verdict == "agrees" for c in found if c.name == "energy_early")
 
 
+def test_pages_show_the_test_an_inconclusive_verdict_turns_on(tmp_path) -> None:
+    """An interval that excludes the line with an inconclusive verdict: the overview page
+    and the terminal summary show the p-value and its Holm adjustment beside it."""
+    pairs = zip((5.0, 5.1, 4.9), (-1.0, -0.5, -0.75), strict=True)
+    tables = {s: _seed_table(e, d) for s, (e, d) in enumerate(pairs)}
+    found = report.paper_claims({"decoder": tables})
+    late = next(c for c in found if c.name == "energy_late")
+    assert late.verdict == "inconclusive" and late.between.high < 0
+    shown = late.describe_test()
+    assert f"{late.p_value:.3g}" in shown and f"{late.p_holm:.3g}" in shown
+    page = report.write_overview({}, found, tmp_path / "overview.html").read_text()
+    assert f"test: {shown}" in page
+    text = report.format_summary([report.SummaryRow.of(c) for c in found])
+    assert f"      test: {shown}" in text
+    one = report.paper_claims({"decoder": tables[0]})
+    assert all(c.describe_test() == "" for c in one)  # one seed: no test, the interval decides
+
+
 def _per_checkpoint(values: dict[int, float], diff_window: float) -> pd.DataFrame:
     """Per-checkpoint gradient energy ratios at one site, and the study's window rows
     (study windows by step) saying late − early is ``diff_window``."""

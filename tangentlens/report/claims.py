@@ -265,6 +265,15 @@ class Claim:
             for e in self.per_seed
         )
 
+    def describe_test(self) -> str:
+        """The between-seed test the verdict turns on: ``p 0.033, Holm-adjusted 0.4``
+        (a claim agrees or disagrees only when the Holm-adjusted p is below alpha, so an
+        interval that excludes the line can still be inconclusive); empty with one seed."""
+        if self.p_value is None:
+            return ""
+        text = f"p {self.p_value:.3g}"
+        return text if self.p_holm is None else f"{text}, Holm-adjusted {self.p_holm:.3g}"
+
     def describe_panel(self) -> str:
         """The claim under each window definition, one after another."""
         return "; ".join(str(p) for p in self.panel)

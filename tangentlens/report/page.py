@@ -175,7 +175,7 @@ def _html(
         for c in rows:
             out.append(
                 f"<tr><td>{esc(c.quantity)}</td><td>{esc(c.measured)}"
-                f"{_details(averages=c.scope, seeds=c.seeds, windows=c.windows)}</td>"
+                f"{_details(averages=c.scope, seeds=c.seeds, windows=c.windows, test=c.test)}</td>"
                 f'<td>{esc(c.paper)}</td><td class="{esc(c.agrees)}">{esc(c.agrees)}</td></tr>'
             )
         out.append("</table>")
@@ -201,8 +201,8 @@ def _html(
 
 
 def _details(**lines: str) -> str:
-    """Secondary lines of a cell (per-seed numbers, the window panel), small and muted so
-    the verdict and its pooled number stay what the eye reads first."""
+    """Secondary lines of a cell (per-seed numbers, the window panel, the test), small
+    and muted so the verdict and its pooled number stay what the eye reads first."""
     esc = html.escape
     return "".join(
         f'<small class="detail">{esc(name.replace("seeds", "per seed"))}: {esc(text)}</small>'
@@ -328,8 +328,13 @@ def write_overview(
         f"<tr><td>{esc(c.paper)}</td><td>{esc(c.model)}</td>"
         f"<td>{esc(c.gradient_object)}</td><td>{esc(c.statistic)} (rank {c.rank})</td>"
         f"<td>{esc(c.describe_numbers())}"
-        f"{_details(averages=c.scope, seeds=c.describe_seeds(), windows=c.describe_panel())}"
-        "</td>"
+        + _details(
+            averages=c.scope,
+            seeds=c.describe_seeds(),
+            windows=c.describe_panel(),
+            test=c.describe_test(),
+        )
+        + "</td>"
         f'<td class="{esc(c.verdict)}">{esc(c.verdict)}</td></tr>'
         for c in claims
     )

@@ -39,11 +39,13 @@ class SummaryRow:
     seeds: str = ""  # each training seed's own number, where there are several
     windows: str = ""  # the claim under each window definition of the panel
     scope: str = ""  # the sites and checkpoints the number averages
+    test: str = ""  # the between-seed test behind the verdict, where there is one
 
     @classmethod
     def of(cls, claim: Claim) -> SummaryRow:
         return cls(claim.quantity, claim.measured, claim.paper, claim.verdict,
-                   claim.describe_seeds(), claim.describe_panel(), claim.scope)  # fmt: skip
+                   claim.describe_seeds(), claim.describe_panel(), claim.scope,
+                   claim.describe_test())  # fmt: skip
 
 
 def _interval(row: pd.Series, shift: float = 0.0) -> str:
@@ -178,6 +180,8 @@ def format_summary(rows: list[SummaryRow]) -> str:
             lines.append(f"      per seed: {c.seeds}")
         if c.windows:
             lines.append(f"      windows: {c.windows}")
+        if c.test:
+            lines.append(f"      test: {c.test}")
         if c.paper != "—":
             lines.append(f"      paper: {c.paper}  [verdict: {c.agrees}]")
     return "\n".join(lines)
