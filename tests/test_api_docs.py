@@ -80,6 +80,20 @@ def test_entry_point_is_top_level_with_four_sections(name: str) -> None:
     assert summary[0].endswith(".") and (len(summary) == 1 or not summary[1]), name
 
 
+def test_dir_lists_the_public_names_and_each_resolves() -> None:
+    """Tab completion shows what loads on first use: `dir` is `__all__`, every name in it
+    resolves, and a private or unknown name does not."""
+    names = dir(tangentlens)
+    assert names == sorted(tangentlens.__all__) and set(ENTRY_POINTS) <= set(names)
+    assert "__version__" in names and not any(
+        n.startswith("_") and n != "__version__" for n in names
+    )
+    for name in names:
+        assert getattr(tangentlens, name) is not None, name
+    with pytest.raises(AttributeError, match="no_such_name"):
+        tangentlens.no_such_name  # noqa: B018
+
+
 @pytest.fixture(scope="module")
 def namespace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """What the Examples take as given, built once the way their prose says."""
