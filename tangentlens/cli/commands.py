@@ -380,8 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         parents=[common],
         help="train the small model, save its checkpoints",
-        description="Train a small Llama-style LM with a Pythia-like checkpoint schedule "
-        "(step0, step1, step2, step4, ...); a rerun with the same options resumes.",
+        description="Train a small Llama-style decoder (or, with --objective masked, a "
+        "BERT-style encoder) with a Pythia-like checkpoint schedule (step0, step1, step2, "
+        "step4, ...); a rerun with the same options resumes.",
     )
     train.add_argument("--out", metavar="DIR", required=True, help="output folder")
     train.add_argument("--corpus", metavar="FILE", help=_help(TRAIN.corpus))
