@@ -52,10 +52,10 @@ def test_to_tokens_gives_the_table_of_the_texts() -> None:
     for site, basis in from_text.items():
         assert from_ids.moments[site].count == from_text.moments[site].count
         torch.testing.assert_close(from_ids[site].projector(), basis.projector(), atol=1e-6, rtol=0)
-    probes = ("residual", "gradient")
-    opts = {"progress": False, "n_controls": 3}
-    table_ids = tangentlens.probes.run(model, padded, from_text, probes, **opts).results()
-    table_text = tangentlens.probes.run(model, TEXTS, from_text, probes, **opts).results()
+    opts = {"progress": False, "n_controls": 3, "head_null": 4}  # every probe `run` runs
+    table_ids = tangentlens.probes.run(model, padded, from_text, **opts).results()
+    table_text = tangentlens.probes.run(model, TEXTS, from_text, **opts).results()
+    assert {"residual", "attention", "gradient"} <= set(table_ids["probe"])
     _assert_same(table_ids, table_text)
     counts = table_ids.query("statistic == 'n_tokens' and probe == 'residual'")["value"]
     assert (counts == sum(len(model.tokenizer(t)["input_ids"]) for t in TEXTS)).all()
