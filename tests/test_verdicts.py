@@ -305,6 +305,7 @@ def test_results_doc_shows_each_claim_with_its_seeds_and_version(tmp_path) -> No
     for claim, row in zip(claims, rows[1:], strict=True):
         assert claim.verdict in row and claim.interval_covers in row
         assert "seed 0" in row or not claim.describe_seeds()
+        assert claim.describe_test() in row and "Holm-adjusted" in row  # what decides it
     assert f"tangentlens {__version__}" in page and "2026-12-02" in page
     assert results_doc.main([str(tmp_path)]) == 0
     committed = Path(__file__).resolve().parents[1] / "docs" / "RESULTS.md"

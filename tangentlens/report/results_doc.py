@@ -41,12 +41,15 @@ def results_markdown(summary: Mapping[str, Any], *, made: str, source: str) -> s
         "named in its row: over training seeds where there are several (a t-interval over "
         "the per-seed estimates, Holm-corrected across the claims), over probe tokens "
         "where there is one seed (then a verdict can only *suggest*); it must hold under "
-        "every window definition of the panel. The rules: [VERDICTS.md](VERDICTS.md); "
+        "every window definition of the panel. The *test* column gives the between-seed "
+        "p-value and its Holm adjustment: a claim is decided only when the adjusted p is "
+        'below 0.05, so an interval that excludes the line can sit beside "inconclusive". '
+        "The rules: [VERDICTS.md](VERDICTS.md); "
         "each statistic: [STATISTICS.md](STATISTICS.md).",
         "",
         "| claim of the paper | model | measured | interval over | per seed | window panel | "
-        "verdict |",
-        "|---|---|---|---|---|---|---|",
+        "test | verdict |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in claims:
         verdict = c.verdict + (f" ({c.strength})" if c.strength else "")
@@ -61,6 +64,7 @@ def results_markdown(summary: Mapping[str, Any], *, made: str, source: str) -> s
                     c.interval_covers,
                     c.describe_seeds(),
                     c.describe_panel(),
+                    c.describe_test(),
                     verdict,
                 )
             )
