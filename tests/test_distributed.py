@@ -97,7 +97,8 @@ def test_run_probe_two_processes_equal_one(tiny_run):
     sites = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_post", "blocks.1.ln1.hook_out"]
     bases = fit_bases(model, batches, rank=4, sites=sites, progress=False)
     probes = ("residual", "attention", "gradient", "activation")
-    options = dict(n_controls=100, seed=3)
+    # the head null unbounded: a bounded one takes each process's first sequences
+    options = dict(n_controls=100, seed=3, head_null_sequences=None)
     one = run_probe(factory, batches, bases, probes, world_size=1, **options)
     two = run_probe(factory, batches, bases, probes, world_size=2, **options)
     keys = ["probe", "site", "layer", "head", "statistic"]

@@ -232,3 +232,42 @@ def test_framed_state_round_trip_and_merge() -> None:
         AttentionAccumulator(frames=6).merge(AttentionAccumulator(frames=5))
     with pytest.raises(UsageError, match="frames"):
         AttentionAccumulator().merge(probes[0].state(key))
+
+
+def test_the_null_takes_its_first_sequences_and_compares_like_with_like() -> None:
+    """With ``head_null_sequences=2`` over batches of 3 and 2 sequences: the statistics
+    are those over all 5 sequences; the null's rows (mean, spread, p-value) and each
+    ``_null_sample`` are those of a probe that saw only the first 2, so the p-value
+    compares Q_T and the frames on the same sequences; ``head_null_sequences`` says 2.
+    Without a bound the sample is the statistic itself."""
+    d = 24
+    params = _params(d)
+    x, mask = _input(d, batch=5, pos=12)
+
+    def rows(budget: int | None, parts: list[slice]) -> dict[tuple[str, int | None], float]:
+        probe = AttentionProbe(
+            {SITE: (_frame(d, 3, 5), params)}, head_null=9, head_null_sequences=budget, seed=4
+        )
+        for part in parts:
+            probe.update(Observation(SITE, x[part], mask[part]))
+        return {(r["statistic"], r["head"]): r["value"] for r in probe.rows()}
+
+    bounded = rows(2, [slice(0, 3), slice(3, 5)])
+    first = rows(None, [slice(0, 2)])
+    every = rows(None, [slice(0, 5)])
+    assert bounded[("head_null_sequences", None)] == 2 and every[("head_null_sequences", None)] == 5
+    for (stat, head), value in bounded.items():
+        if stat == "head_null_sequences":
+            continue
+        if stat.endswith("_null_sample"):
+            want = first[(stat.removesuffix("_null_sample"), head)]
+        elif stat.endswith(("_null", "_null_std", "_p_value")):
+            want = first[(stat, head)]
+        else:
+            want = every[(stat, head)]
+        assert value == pytest.approx(want, rel=1e-9, abs=1e-12), (stat, head)
+    for (stat, head), value in every.items():
+        if stat.endswith("_null_sample"):
+            assert value == pytest.approx(every[(stat.removesuffix("_null_sample"), head)])
+    with pytest.raises(UsageError, match="head_null_sequences"):
+        AttentionProbe({SITE: (_frame(d, 3, 5), params)}, head_null_sequences=0)

@@ -293,7 +293,10 @@ _BASE = [
 # --- attention: score shares of the split TT + TN + NT + NN + bias, and their nulls
 _TERMS = ("TT", "TN", "NT", "NN", "bias")
 _HEAD = "the layer's attention input, Q_T fitted there (rank k), the head, " + _TOKENS
-_NULL = "; head_null random frames orthogonal to Q_T (seed + layer)"
+_NULL = (
+    "; head_null random frames orthogonal to Q_T (seed + layer), on the first "
+    "head_null_sequences sequences the probe sees"
+)
 _KL = (
     "mean over kept query rows of KL(P ‖ P_TT) in nats, P = softmax(score + mask), P_TT = "
     "softmax(TT + bias + mask)"
@@ -312,21 +315,30 @@ for _name, _definition, _reading in _SCORE:
            _HEAD + _NULL, f"what {_name} is for k ordinary directions"),
         _S(f"{_name}_null_std", "attention", f"standard deviation of {_name} over the null "
            "frames", _HEAD + _NULL, "the spread of the null"),
-        _S(f"{_name}_p_value", "attention", f"(1 + #{{frames j: |{_name}_j − m| ≥ |{_name} − m|}})"
-           f"/(n + 1), two-sided, m the mean of {_name} and its n = head_null frame values "
-           "together; floor 1/(n + 1) (0.01 with 99 frames)", _HEAD + _NULL,
+        _S(f"{_name}_null_sample", "attention", f"{_name} of Q_T itself on the null's "
+           "sequences: what _p_value and _z compare with the frames",
+           _HEAD + _NULL, f"equal to {_name} when the null saw every sequence"),
+        _S(f"{_name}_p_value", "attention", f"(1 + #{{frames j: |{_name}_j − m| ≥ |s − m|}})"
+           f"/(n + 1), two-sided, s = {_name}_null_sample, m the mean of s and the n = "
+           "head_null frame values together, all on the same sequences; floor 1/(n + 1) "
+           "(0.01 with 99 frames)", _HEAD + _NULL,
            "small: Q_T is not an ordinary k-frame for this head, in either direction (the "
            f"sign is in {_name} − {_name}_null): either is a finding, and the shares sum to 1, "
            "so one term's excess is another's shortfall. Exact when Q_T and the frames are "
            "exchangeable; the frames avoid Q_T, so it errs small by a margin of order k/d. It "
            "cannot fall below 1/(n + 1)"),
-        _S(f"{_name}_z", "attention", f"({_name} − {_name}_null)/{_name}_null_std (0 where the "
+        _S(f"{_name}_z", "attention", f"({_name}_null_sample − {_name}_null)/{_name}_null_std "
+           "(0 where the "
            "null does not vary and equals it, ±inf where it differs); only with at least 99 "
            "frames, since a spread estimated from a few is too noisy to divide by",
            _HEAD + _NULL, "|z| large: Q_T is special for this head; test with _p_value"),
     ]  # fmt: skip
 _WRITE = "the head, W_O, the basis of the residual stream written into (rank k), " + _TOKENS
 _ATTENTION += [
+    _S("head_null_sequences", "attention", "sequences the head null's frames (and each "
+       "_null_sample) were computed on: the first head_null_sequences the probe saw, per "
+       "process", "the layer's attention input; head_null_sequences", "fewer than the "
+       "probe's sequences: the null's rows rest on this many"),
     _S("write_share", "attention", "Σ‖z_h W_O^h Q_T‖²/Σ‖z_h W_O^h‖²: the share of the head's "
        "write in Q_T", _WRITE, "k/d: isotropic; >k/d: the head writes into Q_T"),
     _S("write_chance_share", "attention", "k/d: the mean write_share over uniformly random "

@@ -19,6 +19,7 @@ __all__ = [
     "DEMO",
     "DEMO_STUDY",
     "HEAD_NULL",
+    "HEAD_NULL_SEQUENCES",
     "N_CONTROLS",
     "PROBE",
     "QUICK_DEMO",
@@ -71,6 +72,12 @@ N_SEEDS = Setting(None, "seeds 0 to N-1, in place of --seeds", shown="none")
 ZETA = Setting(0.1, "IsoScore* shrinkage toward the pooled reference (the paper's ζ)")
 HEAD_NULL = Setting(
     99, "random frames behind each head's null: its p-values reach 1/(N + 1) (0: none)"
+)
+
+HEAD_NULL_SEQUENCES = Setting(
+    8,
+    "sequences the head null's frames see (the first ones; None: all): the null's cost is "
+    "then fixed, not a multiple of every batch",
 )
 
 

@@ -37,7 +37,7 @@ from ..core.decompose import (
     z_gram,
 )
 from ..core.errors import UsageError
-from ..core.settings import HEAD_NULL
+from ..core.settings import HEAD_NULL, HEAD_NULL_SEQUENCES
 from ..core.subspace import TangentBasis, normal_controls, shares
 from ..core.validation import check_int
 from ..hooks.base import Backend, Handle
@@ -137,6 +137,16 @@ class AttentionProbe(Probe):
     so they are not exchangeable with it: the p-value is exact only as k/d → 0, and
     anti-conservative by a margin of order k/d (as the gradient probe's normal controls).
 
+    The frames see the first ``head_null_sequences`` sequences only (None: all). Each
+    frame is a full set of score terms, so a null on every sequence multiplies the
+    probe's cost per batch by about ``head_null``; on a fixed sample its cost is paid once
+    and a long run streams at the cost of the basis alone. The p-value and z compare like
+    with like: the frames against Q_T's own statistic on the same sequences
+    (``{statistic}_null_sample``, kept beside the statistic over every sequence), so the
+    test stays a frame-randomisation test on that sample. The site row
+    ``head_null_sequences`` says how many sequences it holds (per process: each rank of a
+    distributed run takes its own first sequences).
+
     Each layer is projected once for the basis and all frames (`ScoreSplit`), and the
     frames' terms come from one batched product per chunk of frames (`frame_plan`), not
     one per frame. The basis's terms are float64, the frames' float32 (their tangent
@@ -164,6 +174,7 @@ class AttentionProbe(Probe):
         layers: Mapping[Site, tuple[TangentBasis, AttentionParams]],
         *,
         head_null: int = HEAD_NULL.default,
+        head_null_sequences: int | None = HEAD_NULL_SEQUENCES.default,
         seed: int = 0,
         writes: Mapping[int, tuple[Site, TangentBasis, Tensor]] | None = None,
     ) -> None:
@@ -175,6 +186,11 @@ class AttentionProbe(Probe):
                 "head_null=1 gives no spread and a p-value of at least 1/2: use 0 (no null) "
                 f"or at least 2 frames ({MIN_Z_FRAMES} for z and p-values down to 0.01)."
             )
+        self.head_null_sequences = (
+            None
+            if head_null_sequences is None
+            else check_int(head_null_sequences, "head_null_sequences", minimum=1)
+        )
         self.null_bases: dict[Site, list[TangentBasis]] = {}
         for site, (basis, params) in self.layers.items():
             if site.kind != "attn_in":
@@ -192,6 +208,10 @@ class AttentionProbe(Probe):
                     self._null_key(site),
                     lambda n=params.n_heads: AttentionAccumulator(n, frames=self.head_null),
                 )
+                self.add_state(
+                    self._sample_key(site), lambda n=params.n_heads: AttentionAccumulator(n)
+                )
+                self.add_state(self._seen_key(site), Sum)
         warn_basis_sites({s: b for s, (b, _) in self.layers.items()}, stacklevel=4)
         self.writes = {layer: (s, b, w.detach()) for layer, (s, b, w) in (writes or {}).items()}
         by_layer = {s.layer: p for s, (_, p) in self.layers.items()}
@@ -218,6 +238,23 @@ class AttentionProbe(Probe):
     @staticmethod
     def _null_key(site: Site) -> str:
         return f"{site.hook_name}/null"
+
+    @staticmethod
+    def _sample_key(site: Site) -> str:
+        return f"{site.hook_name}/null_sample"
+
+    @staticmethod
+    def _seen_key(site: Site) -> str:
+        return f"{site.hook_name}/null_sequences"
+
+    def _null_room(self, site: Site, batch: int) -> int:
+        """How many of the next ``batch`` sequences the null still takes."""
+        if site not in self.null_bases:
+            return 0
+        if self.head_null_sequences is None:
+            return batch
+        seen = int(self.state(self._seen_key(site)).value)
+        return max(0, min(batch, self.head_null_sequences - seen))
 
     @staticmethod
     def _write_key(layer: int) -> str:
@@ -247,35 +284,59 @@ class AttentionProbe(Probe):
         return hook
 
     def update(self, obs: Observation) -> None:
+        """The basis's split on every sequence; the null's frames, and the basis again
+        into the null's sample, on the sequences the null still takes (`_null_room`)."""
         basis, params = self.layers[obs.site]
         self._masks[obs.site.layer] = obs.mask  # this layer's z comes next in the pass
-        nulls = self.null_bases.get(obs.site, [])
-        accs = [self.state(obs.site.hook_name)]
-        accs += [self.state(self._null_key(obs.site))] if nulls else []
-        batch, pos = obs.tensor.shape[:2]
+        main = self.state(obs.site.hook_name)
+        x, mask = obs.tensor, obs.mask
+        n = self._null_room(obs.site, x.shape[0])
+        if n:  # one split for both: the basis's terms go to the sample, then to the total
+            sample = AttentionAccumulator(params.n_heads, x.device)
+            nulls = (self.null_bases[obs.site], self.state(self._null_key(obs.site)))
+            self._split(x[:n], None if mask is None else mask[:n], basis, params, sample, nulls)
+            main.merge(sample)
+            self.state(self._sample_key(obs.site)).merge(sample)
+            self.state(self._seen_key(obs.site)).add(torch.tensor(float(n)))
+        if n < x.shape[0]:
+            self._split(x[n:], None if mask is None else mask[n:], basis, params, main, None)
+
+    @staticmethod
+    def _split(
+        x: Tensor,
+        mask: Tensor | None,
+        basis: TangentBasis,
+        params: AttentionParams,
+        target: AttentionAccumulator,
+        nulls: tuple[list[TangentBasis], AttentionAccumulator] | None,
+    ) -> None:
+        """The statistics of ``basis``'s split of ``x`` into ``target`` and, with
+        ``nulls``, those of each null frame into the frames' accumulator."""
+        batch, pos = x.shape[:2]
         rule = {"causal": params.causal, "window": params.window}
-        dev = obs.tensor.device
-        keep = keep_mask((batch, 1, pos, pos), **rule, attention_mask=obs.mask, device=dev)
-        split = ScoreSplit(obs.tensor, params)  # projections shared by every basis
-        chunks, reuse = frame_plan(len(nulls), batch, pos, params.n_heads, params.d_head)
+        keep = keep_mask((batch, 1, pos, pos), **rule, attention_mask=mask, device=x.device)
+        split = ScoreSplit(x, params)  # projections shared by every basis
+        frames_of, frame_acc = nulls if nulls else ([], None)
+        chunks, reuse = frame_plan(len(frames_of), batch, pos, params.n_heads, params.d_head)
         made: dict[int, _Block] = {}  # each block's pattern, kept across chunks if `reuse`
         # the basis in float64 with the first chunk; the frames, a Monte-Carlo reference,
         # in float32, each chunk's terms from one batched product
         for c, frames in enumerate(chunks or [None]):
-            jobs = [(split.parts([basis]), accs[0], 0, None)] if c == 0 else []
-            if frames is not None:
-                frame_parts = split.parts(nulls[frames], dtype=torch.float32)
-                jobs.append((frame_parts, accs[1], slice(None), frames))
+            jobs = [(split.parts([basis]), target, 0, None)] if c == 0 else []
+            if frames is not None and frame_acc is not None:
+                frame_parts = split.parts(frames_of[frames], dtype=torch.float32)
+                jobs.append((frame_parts, frame_acc, slice(None), frames))
             for b, (rows, keys) in enumerate(keep_blocks(pos, **rule)):
                 block = made.get(b) or _Block(
                     split.scores(rows, keys), split.bias(rows, keys), keep[..., rows, keys]
                 )
                 if reuse:
                     made[b] = block
-                for part, target, which, at in jobs:
-                    target._add(part.terms(which, rows, keys), block, at)
-        for acc in accs:
-            acc._count(keep)
+                for part, acc, which, at in jobs:
+                    acc._add(part.terms(which, rows, keys), block, at)
+        target._count(keep)
+        if frame_acc is not None:
+            frame_acc._count(keep)
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
@@ -283,12 +344,18 @@ class AttentionProbe(Probe):
             acc = self.state(site.hook_name)
             if acc.entries == 0:
                 continue
-            null = self.state(self._null_key(site)).results() if site in self.null_bases else {}
+            seen = site in self.null_bases and self.state(self._null_key(site)).entries > 0
+            null = self.state(self._null_key(site)).results() if seen else {}
+            sample = self.state(self._sample_key(site)).results() if seen else {}
             for stat, per_head in acc.results().items():
                 per_stat = {stat: per_head}
-                if null:  # (head_null, n_heads) per statistic
-                    per_stat |= null_summary(stat, per_head, null[stat])
+                if null:  # (head_null, n_heads) per statistic, against Q_T on their sample
+                    per_stat |= null_summary(stat, sample[stat], null[stat])
+                    per_stat[f"{stat}_null_sample"] = sample[stat]
                 out += _head_rows(self.name, site, per_stat)
+            if null:
+                n_seen = float(self.state(self._seen_key(site)).value)
+                out.append(row(self.name, site, "head_null_sequences", n_seen))
             params = self.layers[site][1]
             group = params.n_heads // params.n_kv_heads
             out += _head_rows(self.name, site, {"kv_group": torch.arange(params.n_heads) // group})
@@ -355,7 +422,7 @@ register(
         AttentionProbe,
         _inputs,
         needs="attn_in (blocks.{l}.ln1.hook_out)",
-        options=("head_null",),
+        options=("head_null", "head_null_sequences"),
         build=_build,
         order=2,
     )

@@ -1,7 +1,9 @@
 """Data-parallel probing with ``torch.distributed``: N processes, one shard of the tokens each.
 
 Statistics are sums (`Moments`, energy sums, attention accumulators), so the shards
-reduce to the single-process answer up to float64 rounding:
+reduce to the single-process answer up to float64 rounding (the heads' null, bounded by
+``head_null_sequences``, takes each process's first sequences: ``None`` gives the
+single-process null too):
 
 >>> results = run_probe(factory, batches, bases, ("residual", "gradient"), world_size=2)
 

@@ -64,6 +64,7 @@ class ProbeSession:
     (registered here) and your own `Probe` objects. ``**options`` are the registered probes'
     own options, with their probe class's defaults (``n_controls``: random frames per gradient test;
     ``head_null``: random frames behind each head's null, 0 turns it off;
+    ``head_null_sequences``: the first sequences those frames see, None: all;
     ``reservoir``: activation sample per site); an option no probe takes is an error.
     ``seed`` seeds every probe's random frames. ``group_of(i)`` gives
     the group of the sequences of forward pass i (default: i), for intervals over tokens.
