@@ -104,6 +104,8 @@ class ProbePass:
         for name, bases in reads.items():
             spec = registry.get(name)
             options = {o: getattr(cfg, o) for o in spec.options if o in _CONFIG_FIELDS}
+            if "head_null_sequences" in spec.options:  # the pass is already a bounded
+                options["head_null_sequences"] = None  # sample: its null sees all of it
             session = run(
                 model,
                 self.batches,
