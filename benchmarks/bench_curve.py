@@ -1,7 +1,7 @@
 """The curve: the probe pass's slope per batch and the fixed costs, as ratios to bare passes.
 
     .venv/bin/python benchmarks/bench_curve.py [--batches 1,4,16,32] [--repeat 2]
-        [--layers all|0,5,10] [--breakdown] [--quick]
+        [--layers all|0,5,10] [--breakdown] [--head-null N] [--quick]
 
 On SmolLM2-135M (30 layers, d = 576) with the default bases of `fit_bases` (rank 16) and
 the four default probes (residual, attention with its head null, gradient,
@@ -17,7 +17,9 @@ so per 512 tokens) and an intercept: the pass's slope over the bare slope is wha
 further batch costs; `results()` is a fixed cost, reported in bare forward+backward passes
 (the bare slope). ``end to end`` is (pass + results) / bare at each B; ``fit_bases`` is
 its time over the B bare forwards. ``--breakdown`` adds each probe alone: its pass slope
-over the bare slope, minus one (what it adds per batch). ``--quick``: layers 0 and 1,
+over the bare slope, minus one (what it adds per batch). ``--head-null N``: the attention
+probe's null frames (0: none; its default null sees the first `HEAD_NULL_SEQUENCES`
+sequences, a fixed cost that the line puts in the intercept). ``--quick``: layers 0 and 1,
 B in 1, 2, one repeat (a smoke run).
 
 Every figure is the median over repeats with its min–max. Timing on a shared machine is
@@ -66,6 +68,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--layers", default="all", help="all, or comma-separated layer indices")
     ap.add_argument("--breakdown", action="store_true", help="also each probe alone")
+    ap.add_argument(
+        "--head-null",
+        type=int,
+        default=None,
+        help="the attention probe's head_null frames (default: the probe's own)",
+    )
     ap.add_argument("--quick", action="store_true", help="layers 0,1; B = 1,2; one repeat")
     return ap
 
@@ -102,7 +110,12 @@ def curve(args: argparse.Namespace, device: str = "cpu", deadline: float | None 
                 bridge(ids)
 
     def session_pass(names: tuple[str, ...], batches: list[torch.Tensor]):
-        with probe(bridge, bases, names, layers=layers) as session:
+        null = (
+            {}
+            if args.head_null is None or "attention" not in names
+            else {"head_null": args.head_null}
+        )
+        with probe(bridge, bases, names, layers=layers, **null) as session:
             t = timed(lambda: bare_fb(batches))
         return session, t
 
