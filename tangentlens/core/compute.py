@@ -21,6 +21,10 @@ called through scipy's and torch's own wrappers, which are maintained and tested
 those libraries, rather than through pointer code of this package's own. scipy's wrappers
 hold the GIL for the whole call, so two workers' ``dsyevr`` or ``dsytrd`` take turns; the
 rest of a site's work (torch) runs side by side.
+
+`syrk` is the symmetric rank-k update Σ A Aᵀ (BLAS ``?syrk`` through scipy on CPU), one
+triangle for half the flops of a product, which torch does not offer; the weight-gradient
+probe forms its per-pass Grams with it.
 """
 
 from __future__ import annotations
@@ -93,9 +97,10 @@ def syrk(blocks: Sequence[Tensor]) -> Tensor:
     """Σ_b A_b A_bᵀ over the 2-D ``blocks`` (one dtype, float32 or float64, same row
     count), symmetric. A symmetric rank-k update forms one triangle, half the flops of a
     matrix product; torch has none, so CPU tensors take BLAS ``?syrk`` (scipy) on one
-    BLAS thread, where that one thread does at least the work of torch's full product
-    spread over its threads (at most two: scipy's BLAS threads beside torch's own pool
-    oversubscribe a small machine). Otherwise the product, on the tensors' device."""
+    thread where torch has at most two, so that one thread does at least the work of
+    torch's full product spread over its threads. More BLAS threads would share the cores
+    with torch's own pool, whose threads spin between calls: that slows scipy's calls and
+    torch's alike. With more torch threads, and on other devices, the product."""
     first = blocks[0]
     if first.device.type != "cpu" or torch.get_num_threads() > 2:
         out = first @ first.T
