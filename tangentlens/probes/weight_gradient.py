@@ -27,7 +27,7 @@ tr(Q_TᵀS_gQ_T) and tr(S_g) (`energy_intervals`) beside the one total S: memory
 S_g is kept whole per group, (G + 1)·8d² + 8d bytes, and `group_matrices` returns it.
 
 Products (`pooled_weight_gram`): the maps of a site read one X, so the Δ of every map of
-a pass are folded together, Σ_m G_mG_mᵀ either from G = X̃ᵀ[Δ_1 … Δ_M] or as X̃ᵀKX̃ with
+a pass are folded together, Σ_m G_mG_mᵀ either from each G_m = X̃ᵀΔ_m or as X̃ᵀKX̃ with
 the token Gram K = Σ_m Δ_mΔ_mᵀ (n × n), whichever takes fewer flops (`fold_flops`: the
 token form when a pass has few tokens against d and Σ out), symmetric products as rank-k
 updates (`compute.syrk`); in `stats.gram_dtype` (float32 for float32 activations on an
@@ -417,8 +417,9 @@ def pooled_weight_gram(x: Tensor, deltas: Sequence[Tensor], form: str = "auto") 
     In `stats.gram_dtype` float32 both forms work about X's mean c rounded to float32,
     X = X̃ + 1cᵀ, with every Δ_m scaled by one exact power of two (`stats.unit_scale`):
 
-    - "direct": G = X̃ᵀ[Δ_1 … Δ_M] + c sᵀ (s the column sums, in float64), scaled and
-      rounded once as `weight_gram` rounds it, then G Gᵀ (`compute.syrk`);
+    - "direct": each G_m = X̃ᵀΔ_m + c s_mᵀ (s_m its column sums, in float64), scaled and
+      rounded once as `weight_gram` rounds it, G_mG_mᵀ (`compute.syrk`) read back map by
+      map (one float32 sum over every map's columns rounds several times more);
     - "token": S = X̃ᵀKX̃ + w cᵀ + c wᵀ + ‖s‖² ccᵀ with K = Σ_m Δ_mΔ_mᵀ (`compute.syrk`),
       u = K·1 = Σ_m Δ_m s_m and w = X̃ᵀu; X̃ scaled too, so X̃ᵀKX̃ stays in range.
 
@@ -444,18 +445,21 @@ def pooled_weight_gram(x: Tensor, deltas: Sequence[Tensor], form: str = "auto") 
     scale = unit_scale(torch.stack([delta.abs().amax() for delta in deltas]))
     scaled = [delta.to(work) * scale for delta in deltas]
     sums = torch.cat([delta.sum(0, dtype=torch.float64) for delta in scaled])
+    widths = [delta.shape[1] for delta in scaled]
     x_c = x.to(work) - centre
     if form == "direct":
-        g = torch.cat([x_c.T @ delta for delta in scaled], 1).to(torch.float64)
-        g += torch.outer(c, sums)
-        g_scale = unit_scale(g)
-        s = syrk([(g * g_scale).to(work)]).to(torch.float64)
-        return s / (scale.to(torch.float64) * g_scale.to(torch.float64)) ** 2
+        s = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
+        for delta, s_m in zip(scaled, sums.split(widths), strict=True):
+            g = (x_c.T @ delta).to(torch.float64) + torch.outer(c, s_m)
+            g_scale = unit_scale(g)
+            gram = syrk([(g * g_scale).to(work)]).to(torch.float64)
+            s += gram / g_scale.to(torch.float64) ** 2
+        return s / scale.to(torch.float64) ** 2
     x_scale = unit_scale(x_c)
     x_c *= x_scale
     k = syrk(scaled)
     u = torch.zeros(x.shape[0], dtype=work, device=x.device)
-    for delta, s_m in zip(scaled, sums.split([t.shape[1] for t in scaled]), strict=True):
+    for delta, s_m in zip(scaled, sums.split(widths), strict=True):
         u.addmv_(delta, s_m.to(work))
     w = (x_c.T @ u).to(torch.float64) / x_scale.to(torch.float64)
     s = (x_c.T @ (k @ x_c)).to(torch.float64) / x_scale.to(torch.float64) ** 2
