@@ -12,8 +12,9 @@ both (1000 controls) against a reference with every product in float64 (`gram_dt
 forced to float64), as the largest relative difference per statistic. ``--folds N,...``:
 instead, the fold of one layer alone (both sites, random X and Δ of SmolLM2's shapes) at
 N tokens a pass, the former revision's (each map's `weight_gram`) against this tree's
-(`pooled_weight_gram`), with no model running beside it. Timing on a shared machine is
-noisy: read the ratios of one run; the load average is printed.
+(`pooled_weight_gram`), with no model running beside it, on one thread and timed in CPU
+seconds of that thread (steadier than wall time on a busy machine). Timing on a shared
+machine is noisy: read the ratios of one run; the load average is printed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from _former import former_probe
 
 import tangentlens.probes.weight_gradient as wg
 from tangentlens import models
+from tangentlens.core.compute import threads
 from tangentlens.hooks import INPUT_KINDS, get_backend
 from tangentlens.probes import fit_bases, lm_loss, probe
 
@@ -49,7 +51,8 @@ def _worst(ref, other) -> dict[str, str]:
 
 
 def _folds(old: type, tokens: list[int], repeat: int) -> None:
-    """Seconds per layer of the former fold (each map's G Gᵀ) and this tree's."""
+    """CPU seconds per layer, on one thread, of the former fold (each map's G Gᵀ) and
+    this tree's."""
     former = old._fold.__globals__["weight_gram"]
     d, sites = 576, ((576, 192, 192), (1536, 1536))  # attn_in: W_Q, W_K, W_V; mlp_in: gate, up
     gen = torch.Generator().manual_seed(0)
@@ -63,12 +66,13 @@ def _folds(old: type, tokens: list[int], repeat: int) -> None:
             "new": lambda data=data: [wg.pooled_weight_gram(x, ts) for x, ts in data],
         }
         times: dict[str, list[float]] = {"old": [], "new": []}
-        for r in range(repeat + 1):  # the first round warms up
-            for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                start = time.perf_counter()
-                folds[name]()
-                if r:
-                    times[name].append(time.perf_counter() - start)
+        with threads(1):
+            for r in range(repeat + 1):  # the first round warms up
+                for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                    start = time.thread_time()
+                    folds[name]()
+                    if r:
+                        times[name].append(time.thread_time() - start)
         forms = [
             min(("direct", "token"), key=lambda f, o=outs: wg.fold_flops(n, d, sum(o), f))
             for outs in sites
