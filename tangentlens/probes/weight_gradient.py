@@ -24,7 +24,8 @@ tr(Q_Tᵀ(S − S_g)Q_T)/tr(S − S_g), so with a basis each group keeps just it
 tr(Q_TᵀS_gQ_T) and tr(S_g) (`energy_intervals`) beside the one total S: memory per site
 2·8d² + 8d bytes (the activation `Moments` and S), or half that with ``memory="compact"``
 (float32 state). Without a basis (sites only: Q_T is fitted afterwards, for any rank)
-S_g is kept whole per group, (G + 1)·8d² + 8d bytes, and `group_matrices` returns it.
+S_g and the activations' `Moments` are kept whole per group, G·(16d² + 8d) bytes (half
+the d² part compact), and `group_matrices` returns S_g.
 
 Products (`pooled_weight_gram`): the maps of a site read one X, so the Δ of every map of
 a pass are folded together, Σ_m G_mG_mᵀ either from each G_m = X̃ᵀΔ_m or as X̃ᵀKX̃ with
