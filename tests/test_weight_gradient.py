@@ -416,6 +416,11 @@ def test_token_gram_form_equals_direct_form() -> None:
         assert float((token - direct).norm() / direct.norm()) < 1e-6
         cheaper = min(("direct", "token"), key=lambda f: fold_flops(len(x), d, sum(outs), f))
         assert torch.equal(forms["auto"], forms[cheaper])
+    x64, d64 = x.double(), [t.double() for t in deltas]  # no float32 products: float64
+    for form in ("direct", "token"):
+        got = pooled_weight_gram(x64, d64, form)
+        assert torch.equal(got, got.T)
+        assert float((got - want).norm() / want.norm()) < 1e-12, form
     empty = pooled_weight_gram(torch.ones(0, 4), [torch.ones(0, 3)])
     assert torch.equal(empty, torch.zeros(4, 4, dtype=torch.float64))
     with pytest.raises(UsageError, match="form must be"):

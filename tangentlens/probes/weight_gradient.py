@@ -440,7 +440,8 @@ def pooled_weight_gram(x: Tensor, deltas: Sequence[Tensor], form: str = "auto") 
         x64, d64 = x.to(torch.float64), [delta.to(torch.float64) for delta in deltas]
         if form == "direct":
             return syrk([torch.cat([x64.T @ delta for delta in d64], 1)])
-        return x64.T @ syrk(d64) @ x64
+        s = x64.T @ (syrk(d64) @ x64)
+        return (s + s.T) / 2
     centre = (x.sum(0, dtype=torch.float64) / x.shape[0]).to(work)
     c = centre.to(torch.float64)
     scale = unit_scale(torch.stack([delta.abs().amax() for delta in deltas]))
