@@ -9,7 +9,11 @@ with this tree's `WeightGradientProbe` and with the one in git revision ``--old`
 from its source; the order alternates between repeats): what each adds per batch over
 the bare passes, and the bytes of its state. ``--tables``: instead, the results tables of
 both (1000 controls) against a reference with every product in float64 (`gram_dtype`
-forced to float64), as the largest relative difference per statistic. Timing on a shared
+forced to float64), as the largest relative difference per statistic. ``--folds N,...``:
+instead, the fold of one layer alone (both sites, random X and Δ of SmolLM2's shapes) at
+N tokens a pass, the former revision's (each map's `weight_gram`) against this tree's
+(`pooled_weight_gram`), with no model running beside it, on one thread and timed in CPU
+seconds of that thread (steadier than wall time on a busy machine). Timing on a shared
 machine is noisy: read the ratios of one run; the load average is printed.
 """
 
@@ -27,6 +31,7 @@ from _former import former_probe
 
 import tangentlens.probes.weight_gradient as wg
 from tangentlens import models
+from tangentlens.core.compute import threads
 from tangentlens.hooks import INPUT_KINDS, get_backend
 from tangentlens.probes import fit_bases, lm_loss, probe
 
@@ -45,6 +50,42 @@ def _worst(ref, other) -> dict[str, str]:
     return out
 
 
+def _folds(old: type, tokens: list[int], repeat: int) -> None:
+    """CPU seconds per layer, on one thread, of the former fold (each map's G Gᵀ) and
+    this tree's."""
+    former = old._fold.__globals__["weight_gram"]
+    d, sites = 576, ((576, 192, 192), (1536, 1536))  # attn_in: W_Q, W_K, W_V; mlp_in: gate, up
+    gen = torch.Generator().manual_seed(0)
+    for n in tokens:
+        data = []
+        for outs in sites:
+            x = torch.randn(n, d, generator=gen) + torch.randn(d, generator=gen)
+            data.append((x, [torch.randn(n, o, generator=gen) * 1e-3 for o in outs]))
+        folds = {
+            "old": lambda data=data: [sum(former(x, t) for t in ts) for x, ts in data],
+            "new": lambda data=data: [wg.pooled_weight_gram(x, ts) for x, ts in data],
+        }
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        with threads(1):
+            for r in range(repeat + 1):  # the first round warms up
+                for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                    start = time.thread_time()
+                    folds[name]()
+                    if r:
+                        times[name].append(time.thread_time() - start)
+        forms = [
+            min(("direct", "token"), key=lambda f, o=outs: wg.fold_flops(n, d, sum(o), f))
+            for outs in sites
+        ]
+        old_s, new_s = (statistics.median(times[k]) for k in ("old", "new"))
+        print(
+            f"n = {n}: old {old_s * 1e3:.0f} ms, new {new_s * 1e3:.0f} ms a layer "
+            f"({old_s / new_s:.2f}x; forms {', '.join(forms)}), "
+            f"load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", required=True, help="git revision of the former probe")
@@ -52,6 +93,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--tables", action="store_true")
+    ap.add_argument("--folds", default="", help="token counts: time the fold alone")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     print(f"load average {os.getloadavg()}", flush=True)
@@ -59,6 +101,9 @@ def main() -> None:
         "old": former_probe(args.old, "weight_gradient", "WeightGradientProbe", "def _input_sites"),
         "new": wg.WeightGradientProbe,
     }
+    if args.folds:
+        _folds(kinds["old"], [int(n) for n in args.folds.split(",")], args.repeat)
+        return
     bridge, tok = models.load("smollm2-135m")
     backend = get_backend(bridge)
     layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]

@@ -1,5 +1,5 @@
 """Where the numbers are computed: the partial eigendecomposition, the tridiagonal
-reduction and the site workers."""
+reduction, the symmetric rank-k update and the site workers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import pytest
 import torch
 from threadpoolctl import threadpool_info
 
-from tangentlens.core.compute import site_map, top_eigh, tridiagonal_apply, tridiagonalize
+from tangentlens.core.compute import (
+    site_map,
+    syrk,
+    top_eigh,
+    tridiagonal_apply,
+    tridiagonalize,
+)
 
 
 @pytest.mark.parametrize("n", [1, 5, 12])
@@ -120,3 +126,25 @@ def test_site_map_runs_one_thread_even_with_one_worker():
         assert torch.get_num_threads() == 2  # restored
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_syrk_is_the_symmetric_sum_of_products(dtype, threads):
+    """BLAS ``?syrk`` (one or two torch threads) and the torch product (more) both give
+    Σ A Aᵀ, both triangles, and leave their inputs as they were."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(9, k, generator=gen, dtype=dtype) for k in (5, 1, 13)]
+    kept = [b.clone() for b in blocks]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = syrk(blocks)
+    finally:
+        torch.set_num_threads(before)
+    want = sum(b.double() @ b.double().T for b in blocks)
+    assert got.dtype == dtype and torch.equal(got, got.T)
+    tol = 1e-5 if dtype == torch.float32 else 1e-13
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol * float(want.abs().max()))
+    assert all(torch.equal(b, k) for b, k in zip(blocks, kept, strict=True))
+    assert torch.equal(syrk([blocks[0].T.contiguous()]), syrk([blocks[0].T]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from helpers import hook_counts
 from models import hf_model, padded_batch, tl_bridge, tokens
 
+import tangentlens.probes.weight_gradient as wg
 from tangentlens.core.errors import UsageError
 from tangentlens.core.significance import energy_ratio, matrix_tests, tangent_tests
 from tangentlens.core.stats import Moments
@@ -20,7 +22,13 @@ from tangentlens.core.subspace import TangentBasis, tangent_share
 from tangentlens.hooks import INPUT_KINDS, Site, get_backend
 from tangentlens.hooks.families import unwrap
 from tangentlens.probes import WeightGradientProbe, fit_bases, lm_loss, probe, run
-from tangentlens.probes.weight_gradient import group_energies, matrix_intervals
+from tangentlens.probes.weight_gradient import (
+    fold_flops,
+    group_energies,
+    matrix_intervals,
+    pooled_weight_gram,
+    weight_gram,
+)
 
 nnsight = pytest.importorskip("nnsight")
 
@@ -380,3 +388,121 @@ def test_bad_sites_name_the_fix() -> None:
             backend.input_linears(Site(0, "resid_post"))
     with pytest.warns(UserWarning, match="weight_gradient probe has no site.*mlp_in"):
         probe(model, {"blocks.0.hook_resid_pre": basis}, ("residual", "weight_gradient"))
+
+
+# ------------------------------------------------------------------ pooled fold
+def test_token_gram_form_equals_direct_form() -> None:
+    """Σ_m G_mG_mᵀ from the token Gram K = Σ_m Δ_mΔ_mᵀ equals the one from each G_m,
+    both against float64, on inputs far from zero mean, Δ with an offset per output, and
+    padded positions dropped as the probe drops them."""
+    gen = torch.Generator().manual_seed(0)
+    for n, d, outs in ((60, 48, (48, 16, 16)), (300, 40, (96, 96)), (7, 64, (64,))):
+        x = torch.randn(n, d, generator=gen) * 0.3 + 5 * torch.randn(d, generator=gen)
+        deltas = [
+            torch.randn(n, o, generator=gen) * 1e-3 + 2e-4 * torch.randn(o, generator=gen)
+            for o in outs
+        ]
+        keep = torch.rand(n, generator=gen) > 0.2
+        x, deltas = x[keep], [t[keep] for t in deltas]
+        grams = [(x.double().T @ t.double()) for t in deltas]
+        want = sum(g @ g.T for g in grams)
+        forms = {f: pooled_weight_gram(x, deltas, f) for f in ("direct", "token", "auto")}
+        forms["per map"] = sum(weight_gram(x, t) for t in deltas)
+        for form, got in forms.items():
+            assert torch.equal(got, got.T), form
+            error = float((got - want).norm() / want.norm())
+            assert error < 1e-6, (n, d, form, error)
+        token, direct = forms["token"], forms["direct"]
+        assert float((token - direct).norm() / direct.norm()) < 1e-6
+        cheaper = min(("direct", "token"), key=lambda f: fold_flops(len(x), d, sum(outs), f))
+        assert torch.equal(forms["auto"], forms[cheaper])
+    x64, d64 = x.double(), [t.double() for t in deltas]  # no float32 products: float64
+    for form in ("direct", "token"):
+        got = pooled_weight_gram(x64, d64, form)
+        assert torch.equal(got, got.T)
+        assert float((got - want).norm() / want.norm()) < 1e-12, form
+    empty = pooled_weight_gram(torch.ones(0, 4), [torch.ones(0, 3)])
+    assert torch.equal(empty, torch.zeros(4, 4, dtype=torch.float64))
+    with pytest.raises(UsageError, match="form must be"):
+        pooled_weight_gram(x, deltas, "gram")
+
+
+@pytest.mark.parametrize("form", ["direct", "token"])
+def test_each_form_matches_autograd_weight_gradients(
+    form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe with every pass folded in one form reproduces the weights' ``.grad``."""
+    fold = wg.pooled_weight_gram
+    monkeypatch.setattr(wg, "pooled_weight_gram", lambda x, deltas: fold(x, deltas, form))
+    kind, arch = "tl", "llama"
+    model, batches = _model(kind, arch), _batches(arch)
+    bases = _input_bases(model, batches)
+    session = run(model, batches, bases, PROBE, loss=_loss(arch), **OPTS)
+    expected = _autograd_matrices(kind, arch, model, batches)
+    for site, s in session.probes["weight_gradient"].matrices().items():
+        assert float((s - expected[site]).norm() / expected[site].norm()) < 1e-5, site
+
+
+class _Maps(torch.nn.Module):
+    """Three maps reading one input, as W_Q, W_K, W_V read ``attn_in``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(d, o, bias=False) for o in (d, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.q(x), self.k(x), self.v(x)
+
+
+def _maps_probe(d: int) -> tuple[_Maps, WeightGradientProbe, Any]:
+    maps = _Maps(d)
+    backend = SimpleNamespace(
+        d_model=d, input_linears=lambda site: [("q", maps.q), ("k", maps.k), ("v", maps.v)]
+    )
+    p = WeightGradientProbe([Site(0, "attn_in")], backend)  # type: ignore[arg-type]
+    return maps, p, p.attach(backend)  # type: ignore[arg-type]
+
+
+def test_a_map_without_a_gradient_loses_and_repeats_no_pass() -> None:
+    """A map a backward does not reach (W_K unused) sends no Δ: each pass is still folded
+    once, with the Δ that came, at the next forward or when the state is read; a Δ that
+    comes after its pass was folded (a second backward of a kept graph) is added alone."""
+    gen = torch.Generator().manual_seed(0)
+    d = 8
+    maps, p, handles = _maps_probe(d)
+    site, want = Site(0, "attn_in"), torch.zeros(d, d, dtype=torch.float64)
+
+    def grams() -> torch.Tensor:
+        out = torch.zeros(d, d, dtype=torch.float64)
+        for m in (maps.q, maps.k, maps.v):
+            if m.weight.grad is not None:
+                g = m.weight.grad.double().T
+                out += g @ g.T
+                m.weight.grad = None
+        return out
+
+    def passes() -> float:
+        return float(p.state(f"passes/{site.hook_name}").value)
+
+    for _ in range(3):  # W_K unused: each pass waits until the next forward
+        q, _, v = maps(torch.randn(5, d, generator=gen) + 3)
+        (q.square().sum() + v.sin().sum()).backward()
+        want += grams()
+    assert passes() == 3
+    torch.testing.assert_close(p.matrices()[site], want, rtol=1e-6, atol=0)
+
+    q, k, v = maps(torch.randn(2, 6, d, generator=gen))  # q first; k, v after the read
+    q.square().sum().backward(retain_graph=True)
+    want += grams()
+    assert passes() == 4
+    (k.cos().sum() + v.sum()).backward(retain_graph=True)
+    want += grams()
+    (k.cos().sum() + v.sum()).backward()  # a second backward of the graph is not read
+    grams()
+    for handle in handles:
+        handle.remove()
+    assert passes() == 4
+    torch.testing.assert_close(p.matrices()[site], want, rtol=1e-6, atol=0)
+    state = p.state_dict()
+    maps(torch.randn(3, d, generator=gen))[0].sum().backward()  # hooks gone: not seen
+    assert all(torch.equal(t, p.state_dict()[key]) for key, t in state.items())

@@ -21,6 +21,10 @@ called through scipy's and torch's own wrappers, which are maintained and tested
 those libraries, rather than through pointer code of this package's own. scipy's wrappers
 hold the GIL for the whole call, so two workers' ``dsyevr`` or ``dsytrd`` take turns; the
 rest of a site's work (torch) runs side by side.
+
+`syrk` is the symmetric rank-k update Σ A Aᵀ (BLAS ``?syrk`` through scipy on CPU), one
+triangle for half the flops of a product, which torch does not offer; the weight-gradient
+probe forms its per-pass Grams with it.
 """
 
 from __future__ import annotations
@@ -33,12 +37,20 @@ from typing import TypeVar
 
 import numpy as np
 import scipy.linalg
+import scipy.linalg.blas
 import scipy.linalg.lapack
 import torch
 from threadpoolctl import ThreadpoolController, threadpool_limits
 from torch import Tensor
 
-__all__ = ["site_map", "threads", "top_eigh", "tridiagonal_apply", "tridiagonalize"]
+__all__ = [
+    "site_map",
+    "syrk",
+    "threads",
+    "top_eigh",
+    "tridiagonal_apply",
+    "tridiagonalize",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -79,6 +91,33 @@ def _blas() -> ThreadpoolController:
     """The loaded BLAS libraries (scipy's among them: imported above), read once; a fresh
     `threadpool_limits` would read them again at every call."""
     return ThreadpoolController()
+
+
+def syrk(blocks: Sequence[Tensor]) -> Tensor:
+    """Σ_b A_b A_bᵀ over the 2-D ``blocks`` (one dtype, float32 or float64, same row
+    count), symmetric. A symmetric rank-k update forms one triangle, half the flops of a
+    matrix product; torch has none, so CPU tensors take BLAS ``?syrk`` (scipy) on one
+    thread where torch has at most two, so that one thread does at least the work of
+    torch's full product spread over its threads. More BLAS threads would share the cores
+    with torch's own pool, whose threads spin between calls: that slows scipy's calls and
+    torch's alike. With more torch threads, and on other devices, the product."""
+    first = blocks[0]
+    if first.device.type != "cpu" or torch.get_num_threads() > 2:
+        out = first @ first.T
+        for a in blocks[1:]:
+            out.addmm_(a, a.T)
+        return out
+    update = scipy.linalg.blas.dsyrk if first.dtype == torch.float64 else scipy.linalg.blas.ssyrk
+    c = None
+    with _blas().limit(limits=1, user_api="blas"):
+        for a in blocks:
+            rows = a.contiguous().numpy().T  # Fortran (k, n): its transpose's product
+            if c is None:
+                c = update(1.0, rows, trans=1)
+            else:
+                c = update(1.0, rows, beta=1.0, c=c, trans=1, overwrite_c=1)
+    upper = torch.from_numpy(c).triu()
+    return upper + upper.triu(1).T
 
 
 def _fortran(matrix: Tensor) -> np.ndarray:

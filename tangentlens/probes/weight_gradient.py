@@ -24,28 +24,37 @@ tr(Q_Tᵀ(S − S_g)Q_T)/tr(S − S_g), so with a basis each group keeps just it
 tr(Q_TᵀS_gQ_T) and tr(S_g) (`energy_intervals`) beside the one total S: memory per site
 2·8d² + 8d bytes (the activation `Moments` and S), or half that with ``memory="compact"``
 (float32 state). Without a basis (sites only: Q_T is fitted afterwards, for any rank)
-S_g is kept whole per group, (G + 1)·8d² + 8d bytes, and `group_matrices` returns it.
+S_g and the activations' `Moments` are kept whole per group, G·(16d² + 8d) bytes (half
+the d² part compact), and `group_matrices` returns S_g.
 
-Products (`weight_gram`): G is formed as `input_gradient` forms it; G Gᵀ in the same
-`stats.gram_dtype` (G scaled by an exact power of two, so float32 neither overflows nor
-underflows), added into float64 state.
+Products (`pooled_weight_gram`): the maps of a site read one X, so the Δ of every map of
+a pass are folded together, Σ_m G_mG_mᵀ either from each G_m = X̃ᵀΔ_m or as X̃ᵀKX̃ with
+the token Gram K = Σ_m Δ_mΔ_mᵀ (n × n), whichever takes fewer flops (`fold_flops`: the
+token form when a pass has few tokens against d and Σ out), symmetric products as rank-k
+updates (`compute.syrk`); in `stats.gram_dtype` (float32 for float32 activations on an
+IEEE device) about X's mean, scaled by exact powers of two, read back into float64 state.
 
 X and Δ come from hooks on the maps themselves (`Backend.input_linears`): a forward hook
-keeps the detached input and hooks the output tensor; when Δ arrives, G is folded in and
-the input dropped. No parameter's ``.grad`` is read or written, so it works inside `run`
-(gradients with respect to the embedding output only) and around a user's
+keeps the detached input once per site and pass and hooks each map's output tensor; when
+every map of the pass has its Δ, they are folded and the input dropped. A map a backward
+does not reach sends none: the pass is then folded with the Δ it has at the next forward
+through the site, or when the state is read, and a Δ arriving after that alone, so no
+pass is lost or counted twice. No parameter's ``.grad`` is read or written, so it works
+inside `run` (gradients with respect to the embedding output only) and around a user's
 ``loss.backward()``. Padded positions are dropped from X (Δ is zero there anyway). Run one
 backward per forward pass.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..core.compute import syrk
 from ..core.errors import UsageError
 from ..core.settings import N_CONTROLS
 from ..core.significance import energy_ratio, matrix_tests
@@ -55,17 +64,40 @@ from ..core.uncertainty import jackknife_interval
 from ..core.validation import check_int
 from ..hooks.base import Backend, Handle, ModuleHandle
 from ..hooks.sites import INPUT_KINDS, Site
-from .base import MomentProbe, Observation, Sum, ci_columns, row, sites_bar
+from .base import MomentProbe, Observation, Probe, Sum, ci_columns, row, sites_bar
 from .registry import Plan, ProbeSpec, register
 from .residual import group_energies
 
 __all__ = [
     "WeightGradientProbe",
     "energy_intervals",
+    "fold_flops",
     "input_gradient",
     "matrix_intervals",
+    "pooled_weight_gram",
     "weight_gram",
 ]
+
+
+class _Pass:
+    """One forward pass through the maps that read a site: their shared input, which maps
+    ran (``hooked``) and which of them have sent their Δ (``received``)."""
+
+    def __init__(self, site: Site, x: Tensor, mask: Tensor | None, group: int) -> None:
+        self.site, self.x, self.mask, self.group = site, x, mask, group
+        self.hooked: set[int] = set()
+        self.received: set[int] = set()
+        self.deltas: list[Tensor] = []
+        self.flushed = False  # folded: a Δ still to come is folded on its own
+        self.counted = False
+
+
+def _same_input(a: Tensor, b: Tensor) -> bool:
+    """Whether two maps read the same activation (the same tensor, or equal ones)."""
+    if a.shape != b.shape or a.device != b.device:
+        return False
+    same_view = a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype
+    return same_view or bool(torch.equal(a, b))
 
 
 class WeightGradientProbe(MomentProbe):
@@ -109,6 +141,8 @@ class WeightGradientProbe(MomentProbe):
         self.seed = check_int(seed, "seed", minimum=0)
         self.n_groups = check_int(n_groups, "n_groups", minimum=1)
         self._masks: dict[Site, tuple[Tensor | None, int]] = {}
+        self._open: dict[Site, weakref.ref[_Pass]] = {}
+        self._waiting: list[_Pass] = []
         self._q: dict[tuple[Site, torch.device], Tensor] = {}
         for site in self.sites:
             d = self.bases[site].d if site in self.bases else width
@@ -136,14 +170,14 @@ class WeightGradientProbe(MomentProbe):
         try:
             for site in self.sites:
                 for i, (_, module) in enumerate(backend.input_linears(site)):
-                    handles.append(self._hook(site, module, counts_pass=i == 0))
+                    handles.append(self._hook(site, module, i))
         except BaseException:
             for handle in handles:
                 handle.remove()
             raise
         return handles
 
-    def _hook(self, site: Site, module: nn.Module, *, counts_pass: bool) -> ModuleHandle:
+    def _hook(self, site: Site, module: nn.Module, index: int) -> ModuleHandle:
         handle: ModuleHandle
 
         def forward_hook(mod: nn.Module, args: tuple, output: Any) -> None:
@@ -151,40 +185,81 @@ class WeightGradientProbe(MomentProbe):
                 torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad
             ):
                 return
-            kept = [(args[0].detach(), *self._masks.get(site, (None, 0)))]
+            pending = self._pass_of(site, index, args[0].detach())
 
             def on_grad(delta: Tensor) -> None:
-                if kept:  # once per forward: a second backward of a kept graph is not read
-                    x, mask, group = kept.pop()
-                    self._fold(site, x, delta, mask, group, counts_pass)
+                self._receive(pending, index, delta)
 
             handle.add_tensor_hook(output, on_grad)
 
         handle = ModuleHandle(module.register_forward_hook(forward_hook))
         return handle
 
-    def _fold(
-        self,
-        site: Site,
-        x: Tensor,
-        delta: Tensor,
-        mask: Tensor | None,
-        group: int,
-        counts_pass: bool,
-    ) -> None:
-        """S += G Gᵀ with G = XᵀΔ over the kept positions (`weight_gram`), into float64
-        (or ``memory="compact"``: float32) state; with a basis, the group's two energies
-        tr(Q_TᵀG GᵀQ_T) and tr(G Gᵀ) into its row."""
+    def _pass_of(self, site: Site, index: int, x: Tensor) -> _Pass:
+        """The pass map ``index`` of ``site`` joins: the site's open one, unless this map
+        already ran in it (a new forward: the site's passes still short of a Δ are folded
+        first, their backward being over) or reads another input."""
+        ref = self._open.get(site)
+        pending = ref() if ref is not None else None
+        if pending is None or index in pending.hooked or not _same_input(pending.x, x):
+            self._flush(site)
+            pending = _Pass(site, x, *self._masks.get(site, (None, 0)))
+            # weakly: a pass is kept by its tensor hooks, so a graph never backpropagated
+            # frees it with its input
+            self._open[site] = weakref.ref(pending)
+        pending.hooked.add(index)
+        return pending
+
+    def _receive(self, pending: _Pass, index: int, delta: Tensor) -> None:
+        """Keep map ``index``'s Δ until every map of the pass has one, then fold them
+        together; a Δ arriving after its pass was flushed is folded alone."""
+        if index in pending.received:  # a second backward of a kept graph is not read
+            return
+        pending.received.add(index)
+        delta = delta.detach()
+        if pending.flushed:
+            self._fold(pending, [delta])
+        else:
+            pending.deltas.append(delta)
+            if len(pending.received) == len(pending.hooked):
+                self._close(pending)
+            elif len(pending.deltas) == 1:
+                self._waiting.append(pending)  # folded by `_flush` if the rest never come
+        if len(pending.received) == len(pending.hooked):
+            pending.x = pending.x.new_empty(0)  # every map is in: its input is not needed
+
+    def _close(self, pending: _Pass) -> None:
+        if pending.flushed:
+            return
+        pending.flushed = True
+        deltas, pending.deltas = pending.deltas, []
+        if pending in self._waiting:
+            self._waiting.remove(pending)
+        if deltas:
+            self._fold(pending, deltas)
+
+    def _flush(self, site: Site | None = None) -> None:
+        """Fold the passes (of ``site``, or all) that got the Δ of some of their maps and
+        wait for the rest: a map whose output a backward did not reach gets none."""
+        for pending in [p for p in self._waiting if site is None or p.site == site]:
+            self._close(pending)
+
+    def _fold(self, pending: _Pass, deltas: list[Tensor]) -> None:
+        """S += Σ_m G_mG_mᵀ with G_m = XᵀΔ_m over the kept positions (`pooled_weight_gram`),
+        into float64 (or ``memory="compact"``: float32) state; with a basis, the group's
+        two energies tr(Q_TᵀS_bQ_T) and tr(S_b) into its row. The first fold of a pass
+        counts it."""
+        site, group, states = pending.site, pending.group, self._states
         with torch.no_grad():
-            x = x.reshape(-1, x.shape[-1])
-            delta = delta.detach().reshape(-1, delta.shape[-1]).to(x.device)
-            if mask is not None:
-                keep = mask.reshape(-1).to(x.device)
-                x, delta = x[keep], delta[keep]
-            s = weight_gram(x, delta)
+            x = pending.x.reshape(-1, pending.x.shape[-1])
+            deltas = [t.reshape(-1, t.shape[-1]).to(x.device) for t in deltas]
+            if pending.mask is not None:
+                keep = pending.mask.reshape(-1).to(x.device)
+                x, deltas = x[keep], [t[keep] for t in deltas]
+            s = pooled_weight_gram(x, deltas)
             name = site.hook_name
             if site in self.bases:
-                self.state(f"wgrad/{name}").add(s)
+                states[f"wgrad/{name}"].add(s)
                 key = (site, s.device)
                 if key not in self._q:
                     self._q[key] = self.bases[site].basis_.to(s.device, torch.float64)
@@ -192,11 +267,38 @@ class WeightGradientProbe(MomentProbe):
                 energies = torch.zeros(self.n_groups, 2, dtype=torch.float64, device=s.device)
                 energies[group % self.n_groups, 0] = ((s @ q) * q).sum()
                 energies[group % self.n_groups, 1] = s.diagonal().sum()
-                self.state(f"wgrad_energy/{name}").add(energies)
+                states[f"wgrad_energy/{name}"].add(energies)
             else:
-                self.state(f"wgrad/{group % self.n_groups}/{name}").add(s)
-            if counts_pass:
-                self.state(f"passes/{name}").add(torch.ones((), device=s.device))
+                states[f"wgrad/{group % self.n_groups}/{name}"].add(s)
+            if not pending.counted:
+                pending.counted = True
+                states[f"passes/{name}"].add(torch.ones((), device=s.device))
+
+    # every read of the state first folds the passes still waiting for a Δ
+    def state(self, key: str) -> Any:
+        self._flush()
+        return super().state(key)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        self._flush()
+        return super().state_dict()
+
+    def merge(self, other: Probe) -> Probe:
+        self._flush()
+        if isinstance(other, WeightGradientProbe):
+            other._flush()
+        return super().merge(other)
+
+    def all_reduce_(self, group: Any = None, *, d: int | None = None) -> Probe:
+        self._flush()
+        return super().all_reduce_(group, d=d)
+
+    def reset(self) -> None:
+        for pending in self._waiting:  # forgotten, with the Δ still to come
+            pending.flushed, pending.deltas = True, []
+            pending.received |= pending.hooked
+        self._waiting.clear()
+        super().reset()
 
     def saw_backward(self) -> bool:
         return any(float(self.state(f"passes/{s.hook_name}").value) > 0 for s in self.sites)
@@ -298,6 +400,75 @@ def weight_gram(x: Tensor, delta: Tensor) -> Tensor:
     scale = unit_scale(g)
     g32 = (g * scale).to(torch.float32)
     return (g32 @ g32.T).to(torch.float64) / scale.to(torch.float64) ** 2
+
+
+def fold_flops(n: int, d: int, outs: int, form: str) -> int:
+    """Flops of Σ_m G_mG_mᵀ for ``n`` tokens, ``d`` inputs and ``outs`` = Σ_m out_m
+    outputs (symmetric products at half price, as `compute.syrk` forms them): "direct"
+    forms each G_m = XᵀΔ_m and their Gram, "token" the token Gram K = Σ_m Δ_mΔ_mᵀ and
+    XᵀKX. Which is cheaper turns on n against d."""
+    if form == "direct":
+        return 2 * n * d * outs + d * d * outs
+    return n * n * outs + 2 * n * n * d + 2 * n * d * d
+
+
+def pooled_weight_gram(x: Tensor, deltas: Sequence[Tensor], form: str = "auto") -> Tensor:
+    """Σ_m G_mG_mᵀ (d_in × d_in, float64), G_m = XᵀΔ_m, over maps that read the same
+    ``x`` (n × d_in), in the cheaper ``form`` of `fold_flops` ("auto"), or the one named.
+    In `stats.gram_dtype` float32 both forms work about X's mean c rounded to float32,
+    X = X̃ + 1cᵀ, with every Δ_m scaled by one exact power of two (`stats.unit_scale`):
+
+    - "direct": each G_m = X̃ᵀΔ_m + c s_mᵀ (s_m its column sums, in float64), scaled and
+      rounded once as `weight_gram` rounds it, G_mG_mᵀ (`compute.syrk`) read back map by
+      map (one float32 sum over every map's columns rounds several times more);
+    - "token": S = X̃ᵀKX̃ + w cᵀ + c wᵀ + ‖s‖² ccᵀ with K = Σ_m Δ_mΔ_mᵀ (`compute.syrk`),
+      u = K·1 = Σ_m Δ_m s_m and w = X̃ᵀu; X̃ scaled too, so X̃ᵀKX̃ stays in range.
+
+    Each is read back into float64; in float64 (no IEEE float32 matmul) the same forms
+    run unscaled."""
+    if form == "auto":
+        n, d = x.shape
+        outs = sum(delta.shape[-1] for delta in deltas)
+        cheaper = fold_flops(n, d, outs, "token") < fold_flops(n, d, outs, "direct")
+        form = "token" if cheaper else "direct"
+    if form not in ("direct", "token"):
+        raise UsageError(f"form must be 'auto', 'direct' or 'token'; got {form!r}.")
+    work = gram_dtype(x)
+    if x.shape[0] == 0:
+        return torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
+    if work == torch.float64:
+        x64, d64 = x.to(torch.float64), [delta.to(torch.float64) for delta in deltas]
+        if form == "direct":
+            return syrk([torch.cat([x64.T @ delta for delta in d64], 1)])
+        s = x64.T @ (syrk(d64) @ x64)
+        return (s + s.T) / 2
+    centre = (x.sum(0, dtype=torch.float64) / x.shape[0]).to(work)
+    c = centre.to(torch.float64)
+    scale = unit_scale(torch.stack([delta.abs().amax() for delta in deltas]))
+    scaled = [delta.to(work) * scale for delta in deltas]
+    sums = torch.cat([delta.sum(0, dtype=torch.float64) for delta in scaled])
+    widths = [delta.shape[1] for delta in scaled]
+    x_c = x.to(work) - centre
+    if form == "direct":
+        s = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
+        for delta, s_m in zip(scaled, sums.split(widths), strict=True):
+            g = (x_c.T @ delta).to(torch.float64) + torch.outer(c, s_m)
+            g_scale = unit_scale(g)
+            gram = syrk([(g * g_scale).to(work)]).to(torch.float64)
+            s += gram / g_scale.to(torch.float64) ** 2
+        return s / scale.to(torch.float64) ** 2
+    x_scale = unit_scale(x_c)
+    x_c *= x_scale
+    k = syrk(scaled)
+    u = torch.zeros(x.shape[0], dtype=work, device=x.device)
+    for delta, s_m in zip(scaled, sums.split(widths), strict=True):
+        u.addmv_(delta, s_m.to(work))
+    w = (x_c.T @ u).to(torch.float64) / x_scale.to(torch.float64)
+    s = (x_c.T @ (k @ x_c)).to(torch.float64) / x_scale.to(torch.float64) ** 2
+    s = (s + s.T) / 2
+    cw = torch.outer(c, w)
+    s += cw + cw.T + torch.outer(c, c) * (sums @ sums)
+    return s / scale.to(torch.float64) ** 2
 
 
 def energy_intervals(
