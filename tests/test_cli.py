@@ -286,3 +286,21 @@ def test_probe_data_parallel_equals_one_process(tmp_path: Path) -> None:
     assert len(merged) == len(tables[0]) == len(tables[1])
     # summation order differs across ranks: equal to rounding (a z of −100 to 1e-10 relative)
     np.testing.assert_allclose(merged["value_x"], merged["value_y"], rtol=1e-9, atol=1e-9)
+
+
+def test_demo_kinds_side_by_side_give_the_tables_of_the_kinds_in_turn(tmp_path: Path) -> None:
+    """`demo(workers=2)` runs the decoder and the encoder in two processes: each on one
+    torch thread, exactly, so summary.json and every results table equal those of
+    `workers=1`, where the kinds run one after the other in this process."""
+    from tangentlens.cli import workflows
+
+    found = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        workflows.demo(out, quick=True, seeds=(0,), progress=False, workers=workers)
+        tables = {
+            p.relative_to(out): p.read_bytes() for p in sorted(out.glob("*/seed*/results.csv"))
+        }
+        found[workers] = (json.loads((out / "summary.json").read_text()), tables)
+    assert len(found[1][1]) == 2 and found[1][1].keys() == found[2][1].keys()
+    assert found[1] == found[2]

@@ -278,7 +278,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _say(f"\ntangentlens demo finished in {done.seconds:.0f} s")
     spent = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in done.timings.items())
     if spent:
-        _say(f"seeds {','.join(map(str, done.seeds))} per model kind; time: {spent}")
+        _say(
+            f"seeds {','.join(map(str, done.seeds))} per model kind; work, summed over the "
+            f"kinds run side by side: {spent}"
+        )
     _say(f"report:  {done.report.resolve()}")
     _say(f"summary: {(out / workflows.SUMMARY_FILE).resolve()}")
     _print_claims(done.claims)

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import multiprocessing
+import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +58,7 @@ from ..hooks.sites import Site
 from ..models.batches import check_tokens, context_length
 from ..models.loading import is_hub_id, load, quiet_transformers
 from ..probes.bases import BasisSet
-from ..probes.distributed import run_probe
+from ..probes.distributed import die_with_parent, run_probe
 from ..probes.driver import fit_bases, run
 from ..report import write_overview, write_report
 from ..report.claims import Claim
@@ -484,8 +487,8 @@ def run_studies(
 @dataclass(frozen=True)
 class DemoOutcome:
     """What `demo` produced: the first seed's decoder table, the overview page, the
-    seconds it took, the verdicts, the seeds (of each model kind) and where each step's
-    time went."""
+    seconds it took, the verdicts, the seeds (of each model kind) and the seconds of work
+    of each step, summed over the model kinds (which may run side by side)."""
 
     table: pd.DataFrame
     report: Path
@@ -503,6 +506,47 @@ def demo_seeds(seeds: Sequence[int] | str | None, quick: bool) -> tuple[int, ...
     return check_seeds(seeds, "--seeds")
 
 
+def _demo_kind(
+    out: Path,
+    kind: str,
+    seeds: tuple[int, ...],
+    quick: bool,
+    progress: bool,
+    log: Log,
+    parent: int | None = None,
+) -> tuple[dict[int, pd.DataFrame], dict[str, float]]:
+    """One model kind of the demo, seed after seed: train, study, report. ``parent``: run
+    as a worker process of that pid, which it dies with (`die_with_parent`)."""
+    if parent is not None:
+        die_with_parent(parent)
+    objective = MODEL_KINDS[kind]
+    design = train_config(quick=quick, objective=objective)
+    tables: dict[int, pd.DataFrame] = {}
+    timings = {"train_s": 0.0, "study_s": 0.0, "report_s": 0.0}
+    shared: Path | None = None
+    first = list(MODEL_KINDS).index(kind) * len(seeds)
+    n_steps = len(MODEL_KINDS) * len(seeds) + 1
+    for i, seed in enumerate(seeds):
+        folder, step = out / kind / SEED_DIR.format(seed), f"[{first + i + 1}/{n_steps}]"
+        config = seed_config(design, seed, seeds)
+        log(f"{step} {kind} seed {seed}: training ({objective}, {config.max_steps} "
+            f"steps), its study and report → {folder}")  # fmt: skip
+        clock = time.perf_counter()
+        ckpt = train(config, folder / CHECKPOINTS_DIR, progress, tokenizer_from=shared)
+        shared = shared or ckpt / TOKENIZER_DIR
+        timings["train_s"] += time.perf_counter() - clock
+        clock = time.perf_counter()
+        cfg = study_config(str(ckpt), quick=quick, **({} if quick else DEMO_STUDY))
+        study = Study(cfg)
+        tables[seed] = study.run(folder, progress=progress)
+        timings["study_s"] += time.perf_counter() - clock
+        clock = time.perf_counter()
+        title = f"tangentlens demo: {kind}, seed {seed}"
+        write_report(tables[seed], folder / "report.html", manifest=study.manifest, title=title)
+        timings["report_s"] += time.perf_counter() - clock
+    return tables, timings
+
+
 def demo(
     out: Path,
     *,
@@ -510,6 +554,7 @@ def demo(
     seeds: Sequence[int] | None = None,
     progress: bool = True,
     log: Log = _quiet,
+    workers: int | None = None,
 ) -> DemoOutcome:
     """Train a decoder and an encoder once per seed (`demo_seeds`), study each series,
     probe their heads, write each a report, then ``summary.json`` (the paper's claims
@@ -519,13 +564,21 @@ def demo(
     ``OUT/{decoder,encoder}/seed{S}/`` holds each run: ``checkpoints/`` and its study.
     The seeds of a kind share the tokenizer (trained once, copied) and the train/probe
     split (`seed_config`), so every seed is studied on the same held-out probe set and
-    the corpus is encoded once per kind (`tangentlens.data.corpus.encoded`)."""
+    the corpus is encoded once per kind (`tangentlens.data.corpus.encoded`).
+
+    ``workers``: processes the model kinds run in side by side (default: one per kind, up
+    to the CPU count). Training and the studies run on one torch thread each, exactly, so
+    the kinds in parallel give the tables of the kinds in turn; each kind's folder has its
+    one writer, and the progress bars are the first kind's."""
     start = time.perf_counter()
     out = Path(out).expanduser()
     seeds = demo_seeds(seeds, quick)
-    tables: dict[str, dict[int, pd.DataFrame]] = {kind: {} for kind in MODEL_KINDS}
+    kinds = list(MODEL_KINDS)
+    if workers is None:
+        workers = min(len(kinds), os.cpu_count() or 1)
+    workers = check_int(workers, "workers", minimum=1)
     timings = {"train_s": 0.0, "study_s": 0.0, "report_s": 0.0}
-    n_steps = len(MODEL_KINDS) * len(seeds) + 1
+    n_steps = len(kinds) * len(seeds) + 1
     with lock_folder(out, "demo") as lock:
         lock.claim(
             {"quick": bool(quick), "seeds": list(seeds)},
@@ -533,39 +586,30 @@ def demo(
             results=("*/seed*/results.csv",),
         )
         remove_stale_temporaries(out)
-        n = 0
-        for kind, objective in MODEL_KINDS.items():
-            design = train_config(quick=quick, objective=objective)
-            shared: Path | None = None
-            for seed in seeds:
-                n += 1
-                folder, step = out / kind / SEED_DIR.format(seed), f"[{n}/{n_steps}]"
-                config = seed_config(design, seed, seeds)
-                log(f"{step} {kind} seed {seed}: training ({objective}, {config.max_steps} "
-                    f"steps), its study and report → {folder}")  # fmt: skip
-                clock = time.perf_counter()
-                ckpt = train(config, folder / CHECKPOINTS_DIR, progress, tokenizer_from=shared)
-                shared = shared or ckpt / TOKENIZER_DIR
-                timings["train_s"] += time.perf_counter() - clock
-                clock = time.perf_counter()
-                cfg = study_config(str(ckpt), quick=quick, **({} if quick else DEMO_STUDY))
-                study = Study(cfg)
-                tables[kind][seed] = study.run(folder, progress=progress)
-                timings["study_s"] += time.perf_counter() - clock
-                clock = time.perf_counter()
-                title = f"tangentlens demo: {kind}, seed {seed}"
-                write_report(
-                    tables[kind][seed], folder / "report.html", manifest=study.manifest, title=title
-                )
-                timings["report_s"] += time.perf_counter() - clock
+        if workers > 1:
+            context = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(min(workers, len(kinds)), mp_context=context) as pool:
+                futures = [
+                    pool.submit(
+                        _demo_kind, out, kind, seeds, quick, progress and n == 0, log, os.getpid()
+                    )
+                    for n, kind in enumerate(kinds)
+                ]
+                done = [future.result() for future in futures]
+        else:
+            done = [_demo_kind(out, kind, seeds, quick, progress, log) for kind in kinds]
+        tables = {kind: found[0] for kind, found in zip(kinds, done, strict=True)}
+        for _, spent in done:  # seconds of work, summed over the kinds
+            for key, value in spent.items():
+                timings[key] += value
         log(f"[{n_steps}/{n_steps}] verdicts over {len(seeds)} seed(s) per kind, and the report")
         clock = time.perf_counter()
         claims = paper_claims(tables)
-        summary = {"claims": [c.to_dict() for c in claims], "models": list(MODEL_KINDS),
+        summary = {"claims": [c.to_dict() for c in claims], "models": kinds,
                    "seeds": list(seeds)}  # fmt: skip
         write_json(out / SUMMARY_FILE, summary)
         folders = {f"{k}/{SEED_DIR.format(s)}": out / k / SEED_DIR.format(s)
-                   for k in MODEL_KINDS for s in seeds}  # fmt: skip
+                   for k in kinds for s in seeds}  # fmt: skip
         page = write_overview(folders, claims, out / "report.html")
         timings["verdicts_s"] = time.perf_counter() - clock
     first = tables["decoder"][seeds[0]]

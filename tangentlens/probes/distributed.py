@@ -39,7 +39,15 @@ from ..core.errors import CorruptFileError, UsageError
 from ..core.validation import check_int, is_int
 from .driver import run
 
-__all__ = ["all_reduce_session", "check_parent", "free_port", "launch", "run_probe", "shard"]
+__all__ = [
+    "all_reduce_session",
+    "check_parent",
+    "die_with_parent",
+    "free_port",
+    "launch",
+    "run_probe",
+    "shard",
+]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _parent: int | None = None  # in a worker of `launch`: the pid of the process that started it
@@ -70,7 +78,7 @@ def check_parent() -> None:
         os._exit(1)
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """Have the kernel SIGKILL this worker when its parent dies, then check that the parent
     did not die before the request was made."""
     global _parent
@@ -90,7 +98,7 @@ def _worker(
     args: tuple,
     queue: Any,
 ) -> None:
-    _die_with_parent(parent)
+    die_with_parent(parent)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
         torch.cuda.set_device(rank)
