@@ -100,7 +100,12 @@ def main() -> None:
 
         return call
 
-    runs = {f"head_null={n}": probed(AttentionProbe(layers, head_null=n)) for n in (0, 4, 99)}
+    # one probe is called again and again: its null must see every call's sequences, not
+    # just the first `head_null_sequences`, to time the frames per batch
+    runs = {
+        f"head_null={n}": probed(AttentionProbe(layers, head_null=n, head_null_sequences=None))
+        for n in (0, 4, 99)
+    }
     if args.old:
         former = former_probe(args.old, "attention", "AttentionProbe", "def _inputs")
         for n in (4, 99):
