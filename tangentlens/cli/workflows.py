@@ -519,13 +519,10 @@ def _demo_kind(
     as a worker process of that pid, which it dies with (`die_with_parent`)."""
     if parent is not None:
         die_with_parent(parent)
-    objective = MODEL_KINDS[kind]
+    objective, shared, tables = MODEL_KINDS[kind], None, {}
     design = train_config(quick=quick, objective=objective)
-    tables: dict[int, pd.DataFrame] = {}
     timings = {"train_s": 0.0, "study_s": 0.0, "report_s": 0.0}
-    shared: Path | None = None
-    first = list(MODEL_KINDS).index(kind) * len(seeds)
-    n_steps = len(MODEL_KINDS) * len(seeds) + 1
+    first, n_steps = list(MODEL_KINDS).index(kind) * len(seeds), len(MODEL_KINDS) * len(seeds) + 1
     for i, seed in enumerate(seeds):
         folder, step = out / kind / SEED_DIR.format(seed), f"[{first + i + 1}/{n_steps}]"
         config = seed_config(design, seed, seeds)
@@ -566,42 +563,29 @@ def demo(
     split (`seed_config`), so every seed is studied on the same held-out probe set and
     the corpus is encoded once per kind (`tangentlens.data.corpus.encoded`).
 
-    ``workers``: processes the model kinds run in side by side (default: one per kind, up
-    to the CPU count). Training and the studies run on one torch thread each, exactly, so
-    the kinds in parallel give the tables of the kinds in turn; each kind's folder has its
-    one writer, and the progress bars are the first kind's."""
+    ``workers``: processes the kinds run in side by side (default: one a kind, up to the CPU
+    count); each trains and studies on one torch thread, exactly, so they give the tables
+    of the kinds in turn; each kind's folder has one writer; the bars are the first kind's."""
     start = time.perf_counter()
     out = Path(out).expanduser()
     seeds = demo_seeds(seeds, quick)
-    kinds = list(MODEL_KINDS)
-    if workers is None:
-        workers = min(len(kinds), os.cpu_count() or 1)
-    workers = check_int(workers, "workers", minimum=1)
-    timings = {"train_s": 0.0, "study_s": 0.0, "report_s": 0.0}
-    n_steps = len(kinds) * len(seeds) + 1
+    kinds, n_steps = list(MODEL_KINDS), len(MODEL_KINDS) * len(seeds) + 1
+    workers = check_int(min(len(kinds), os.cpu_count() or 1) if workers is None else workers,
+                        "workers", minimum=1)  # fmt: skip
     with lock_folder(out, "demo") as lock:
-        lock.claim(
-            {"quick": bool(quick), "seeds": list(seeds)},
-            DEMO_OUTPUTS,
-            results=("*/seed*/results.csv",),
-        )
+        claim = {"quick": bool(quick), "seeds": list(seeds)}
+        lock.claim(claim, DEMO_OUTPUTS, results=("*/seed*/results.csv",))
         remove_stale_temporaries(out)
         if workers > 1:
             context = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(min(workers, len(kinds)), mp_context=context) as pool:
-                futures = [
-                    pool.submit(
-                        _demo_kind, out, kind, seeds, quick, progress and n == 0, log, os.getpid()
-                    )
-                    for n, kind in enumerate(kinds)
-                ]
-                done = [future.result() for future in futures]
+                jobs = [pool.submit(_demo_kind, out, kind, seeds, quick, progress and not n, log,
+                                    os.getpid()) for n, kind in enumerate(kinds)]  # fmt: skip
+                done = [job.result() for job in jobs]
         else:
             done = [_demo_kind(out, kind, seeds, quick, progress, log) for kind in kinds]
         tables = {kind: found[0] for kind, found in zip(kinds, done, strict=True)}
-        for _, spent in done:  # seconds of work, summed over the kinds
-            for key, value in spent.items():
-                timings[key] += value
+        timings = {key: sum(spent[key] for _, spent in done) for key in done[0][1]}  # summed
         log(f"[{n_steps}/{n_steps}] verdicts over {len(seeds)} seed(s) per kind, and the report")
         clock = time.perf_counter()
         claims = paper_claims(tables)
