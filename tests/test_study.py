@@ -156,7 +156,8 @@ def test_table_columns_windows_and_statistics(study):
     windows = frame.groupby("step")["window"].first().to_dict()
     # 8 checkpoints, fraction 0.3: ceil(2.4) = 3 per window
     assert [windows[s] for s in STEPS] == ["early"] * 3 + ["middle"] * 2 + ["late"] * 3
-    heads = frame[frame["probe"] == "attention"]  # per-head shares at every checkpoint
+    # per-head shares at every checkpoint (the null's sample size is a row of the layer)
+    heads = frame[(frame["probe"] == "attention") & (frame["statistic"] != "head_null_sequences")]
     assert frame.loc[frame["probe"] != "attention", "head"].isna().all()
     assert set(heads["step"]) == set(STEPS) and heads["head"].notna().all()
     assert set(heads["rank"]) == {2}  # the smallest rank
