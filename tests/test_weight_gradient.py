@@ -215,6 +215,14 @@ def test_matrix_tests_equal_tangent_tests_on_a_second_moment() -> None:
     }
     for key, value in by_matrix.items():
         assert value == pytest.approx(by_moments[key], rel=1e-12, abs=0), key
+    # what a probe with a fixed basis keeps of the activations: their tangent share
+    share = tangent_share(acts, basis)
+    by_share = matrix_tests(
+        moments.second_moment(), basis, n_controls=200, seed=3, activation_share=share
+    )
+    assert by_share == by_matrix
+    with pytest.raises(UsageError, match="activation_share"):
+        matrix_tests(moments.second_moment(), basis, activation_share=share, **opts)
     with pytest.raises(UsageError, match="finite square"):
         matrix_tests(torch.ones(3, 4), basis)
     with pytest.raises(UsageError, match="basis has d=24"):

@@ -197,24 +197,27 @@ def _energy(
     *,
     n_controls: int,
     controls: Controls,
-    activation_moments: Moments | None,
+    activation: Moments | float | None,
 ) -> EnergyTestResult:
     """The energy test of a second moment H with trace ``total`` and tangent ``share``
     against its controls' ``draws`` of `SiteFrames.null` (tr(FᵀHF) is ``tr`` plus ``m``
-    where H = M + μμᵀ)."""
+    where H = M + μμᵀ). ``activation``: the activations' `Moments`, or the tangent share
+    of their uncentred second moment where only that was kept."""
     d, k = basis.d, basis.k
     suffix = "_normal" if controls == "normal" else ""
     null = draws["tr" + suffix] + draws.get("m" + suffix, 0.0)
     null = null / total
     ratio = energy_ratio(share, k, d)
     normalized = act_ratio = None
-    if activation_moments is not None:
-        if activation_moments.d != d:
-            raise UsageError(
-                f"activation_moments have d={activation_moments.d}, the basis d={d}; "
-                "pass the moments of the activations the basis was fitted on."
-            )
-        act_ratio = energy_ratio(tangent_share(activation_moments, basis), k, d)
+    if isinstance(activation, Moments) and activation.d != d:
+        raise UsageError(
+            f"activation_moments have d={activation.d}, the basis d={d}; "
+            "pass the moments of the activations the basis was fitted on."
+        )
+    if activation is not None:
+        if isinstance(activation, Moments):
+            activation = tangent_share(activation, basis)
+        act_ratio = energy_ratio(activation, k, d)
         normalized = ratio / act_ratio if act_ratio > 0 else math.nan
     return EnergyTestResult(
         tangent_share=share,
@@ -275,7 +278,7 @@ def energy_test(
         draws,
         n_controls=n_controls,
         controls=controls,
-        activation_moments=activation_moments,
+        activation=activation_moments,
     )
 
 
@@ -461,7 +464,7 @@ def _energy_statistics(
     basis: TangentBasis,
     draws: dict[str, Tensor],
     n_controls: int,
-    activation_moments: Moments | None,
+    activation: Moments | float | None,
 ) -> dict[str, float | None]:
     """The energy test's named statistics for the second moment ``h`` (a `Moments` stands
     for its own): uniform controls, plus normal ones (labelled, so no warning) where they
@@ -474,7 +477,7 @@ def _energy_statistics(
         draws,
         n_controls=n_controls,
         controls="uniform",
-        activation_moments=activation_moments,
+        activation=activation,
     )
     out = {
         "tangent_share": energy.tangent_share,
@@ -491,7 +494,7 @@ def _energy_statistics(
             draws,
             n_controls=n_controls,
             controls="normal",
-            activation_moments=None,
+            activation=None,
         )
         out["p_value_normal"] = normal.p_value
     return out
@@ -565,6 +568,7 @@ def matrix_tests(
     n_controls: int = 1000,
     seed: int = 0,
     activation_moments: Moments | None = None,
+    activation_share: float | None = None,
 ) -> dict[str, float]:
     """The energy test of a symmetric PSD ``matrix`` S (d × d) in place of a gradient
     second moment, as named statistics: the share ``tr(Q_TᵀSQ_T)/tr(S)`` against the
@@ -573,8 +577,13 @@ def matrix_tests(
 
     ``tangent_share``, ``chance_share``, ``energy_ratio`` (closed form), ``p_value``
     (uniform controls), ``p_value_normal`` (normal controls; left out when 2k > d) and,
-    with ``activation_moments``, ``normalized_ratio``.
+    with ``activation_moments`` or ``activation_share`` (the tangent share of the
+    activations' uncentred second moment, all ``normalized_ratio`` reads of them, so a
+    probe with a fixed basis keeps two energies instead of d × d moments),
+    ``normalized_ratio``.
     """
+    if activation_moments is not None and activation_share is not None:
+        raise UsageError("pass activation_moments or activation_share, not both.")
     h = matrix if isinstance(matrix, Tensor) else torch.as_tensor(matrix)
     if h.ndim != 2 or h.shape[0] != h.shape[1] or not bool(torch.isfinite(h).all()):
         raise UsageError(f"matrix must be a finite square (d, d) tensor; got {tuple(h.shape)}.")
@@ -583,5 +592,6 @@ def matrix_tests(
     h = h.to(torch.float64)
     frames = SiteFrames(h, basis.basis_.to(h))
     draws = frames.null(n_controls, seed, normal=_normal_fits(basis), squares=False)
-    out = _energy_statistics(h, basis, draws, n_controls, activation_moments)
+    activation = activation_moments if activation_share is None else float(activation_share)
+    out = _energy_statistics(h, basis, draws, n_controls, activation)
     return {k: v for k, v in out.items() if v is not None}

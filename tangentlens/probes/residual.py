@@ -53,6 +53,7 @@ from .registry import Plan, ProbeSpec, register
 __all__ = [
     "ResidualProbe",
     "amplification_rows",
+    "check_finite",
     "energy_sums",
     "group_energies",
     "write_basis_site",
@@ -187,11 +188,11 @@ class ResidualProbe(MomentProbe):
         group = obs.group % self.n_groups
         if self.basis_free:
             n, mean, scatter = obs.statistics()
-            _check_finite(mean, obs.site)
+            check_finite(mean, obs.site)
             self.state(f"act/{group}/{obs.site.hook_name}").add_batch(n, mean, scatter)
             return
         sums = energy_sums(obs.tensor, self.bases[obs.site], obs.mask)
-        _check_finite(sums, obs.site)
+        check_finite(sums, obs.site)
         state = self.state(obs.site.hook_name)
         update = torch.zeros_like(state.value, device=sums.device)
         update[group] = sums
@@ -259,7 +260,8 @@ def group_energies(groups: Sequence[Moments | Tensor], basis: TangentBasis) -> T
     return out
 
 
-def _check_finite(t: Tensor, site: Site) -> None:
+def check_finite(t: Tensor, site: Site) -> None:
+    """A `UsageError` naming ``site`` when ``t`` (an activation's sums) holds NaN or Inf."""
     if not bool(torch.isfinite(t).all()):  # NaN would pass into every share silently
         raise UsageError(
             f"the activation at {site.hook_name} holds NaN or Inf; check the model's "

@@ -21,11 +21,12 @@ i mod G, or the session's ``group_of``) keeps what the jackknife reads, and
 ``tangent_share`` / ``energy_ratio`` get 95 % delete-a-group jackknife intervals
 (`tangentlens.core.uncertainty`). A leave-one-group-out share is
 tr(Q_Tᵀ(S − S_g)Q_T)/tr(S − S_g), so with a basis each group keeps just its two energies
-tr(Q_TᵀS_gQ_T) and tr(S_g) (`energy_intervals`) beside the one total S: memory per site
-2·8d² + 8d bytes (the activation `Moments` and S), or half that with ``memory="compact"``
-(float32 state). Without a basis (sites only: Q_T is fitted afterwards, for any rank)
-S_g and the activations' `Moments` are kept whole per group, G·(16d² + 8d) bytes (half
-the d² part compact), and `group_matrices` returns S_g.
+tr(Q_TᵀS_gQ_T) and tr(S_g) (`energy_intervals`) beside the one total S, and of the
+activations the two energies ``normalized_ratio`` reads (Σ‖x‖², Σ‖x Q_T‖², as the
+residual probe keeps them): memory per site 8d² bytes, or half that with
+``memory="compact"`` (float32 state). Without a basis (sites only: Q_T is fitted
+afterwards, for any rank) S_g and the activations' `Moments` are kept whole per group,
+G·(16d² + 8d) bytes (half the d² part compact), and `group_matrices` returns S_g.
 
 Products (`pooled_weight_gram`): the maps of a site read one X, so the Δ of every map of
 a pass are folded together, Σ_m G_mG_mᵀ either from each G_m = X̃ᵀΔ_m or as X̃ᵀKX̃ with
@@ -66,7 +67,7 @@ from ..hooks.base import Backend, Handle, ModuleHandle
 from ..hooks.sites import INPUT_KINDS, Site
 from .base import MomentProbe, Observation, Probe, Sum, ci_columns, row, sites_bar
 from .registry import Plan, ProbeSpec, register
-from .residual import group_energies
+from .residual import check_finite, energy_sums, group_energies
 
 __all__ = [
     "WeightGradientProbe",
@@ -147,7 +148,7 @@ class WeightGradientProbe(MomentProbe):
         for site in self.sites:
             d = self.bases[site].d if site in self.bases else width
             if site in self.bases:  # the total S, and per group tr(Q_TᵀS_gQ_T), tr(S_g)
-                self.add_state(f"act/{site.hook_name}", lambda: Moments(dtype=dtype))
+                self.add_state(f"act_energy/{site.hook_name}", lambda: Sum((3,)))
                 self.add_state(f"wgrad/{site.hook_name}", lambda d=d: Sum((d, d), dtype))
                 self.add_state(f"wgrad_energy/{site.hook_name}", lambda: Sum((self.n_groups, 2)))
             else:
@@ -305,8 +306,13 @@ class WeightGradientProbe(MomentProbe):
 
     def update(self, obs: Observation) -> None:
         self._masks[obs.site] = (obs.mask, obs.group)  # the maps that read the site run next
-        group = "" if obs.site in self.bases else f"{obs.group % self.n_groups}/"
-        self.state(f"act/{group}{obs.site.hook_name}").add_batch(*obs.statistics())
+        if obs.site in self.bases:  # all normalized_ratio reads: Σ‖x‖², Σ‖x Q_T‖², n
+            sums = energy_sums(obs.tensor, self.bases[obs.site], obs.mask)
+            check_finite(sums, obs.site)
+            self.state(f"act_energy/{obs.site.hook_name}").add(sums)
+            return
+        group = obs.group % self.n_groups
+        self.state(f"act/{group}/{obs.site.hook_name}").add_batch(*obs.statistics())
 
     def group_matrices(self, site: Site) -> list[Tensor]:
         """S of each group of sequences at ``site``: kept at sites without a basis only
@@ -330,11 +336,17 @@ class WeightGradientProbe(MomentProbe):
             raise UsageError(f"{site} was collected without a basis: pass one.")
         return group_energies(self.group_matrices(site), basis)
 
-    def activation_moments(self, site: Site) -> Moments:
-        """The `Moments` of the activations the maps at ``site`` read."""
+    def activation_share(self, site: Site, basis: TangentBasis | None = None) -> float | None:
+        """The tangent share of the uncentred second moment of the activations the maps at
+        ``site`` read (None before any): from the two energies a site with a basis keeps,
+        or from the `Moments` of a basis-free state against ``basis``."""
         if site in self.bases:
-            return self.state(f"act/{site.hook_name}")
-        return Moments.merged(self.activation_groups(site))
+            total, tangent, n = self.state(f"act_energy/{site.hook_name}").value.tolist()
+            return tangent / total if n else None
+        if basis is None:
+            raise UsageError(f"{site} was collected without a basis: pass one.")
+        moments = Moments.merged(self.activation_groups(site))
+        return tangent_share(moments, basis) if moments.count else None
 
     def activation_groups(self, site: Site) -> list[Moments]:
         """The activations' `Moments` per group (a basis-free state)."""
@@ -361,13 +373,13 @@ class WeightGradientProbe(MomentProbe):
             passes = float(self.state(f"passes/{site.hook_name}").value)
             if passes == 0:
                 continue
-            s, acts = matrices[site], self.activation_moments(site)
+            s = matrices[site]
             values = matrix_tests(
                 s,
                 basis,
                 n_controls=self.n_controls,
                 seed=self.seed,
-                activation_moments=acts if acts.count else None,
+                activation_share=self.activation_share(site, basis),
             )
             values["n_passes"] = passes
             energies = self.group_energies(site, basis)
