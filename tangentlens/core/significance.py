@@ -209,14 +209,14 @@ def _energy(
     null = null / total
     ratio = energy_ratio(share, k, d)
     normalized = act_ratio = None
-    if isinstance(activation, Moments) and activation.d != d:
-        raise UsageError(
-            f"activation_moments have d={activation.d}, the basis d={d}; "
-            "pass the moments of the activations the basis was fitted on."
-        )
+    if isinstance(activation, Moments):
+        if activation.d != d:
+            raise UsageError(
+                f"activation_moments have d={activation.d}, the basis d={d}; "
+                "pass the moments of the activations the basis was fitted on."
+            )
+        activation = tangent_share(activation, basis)
     if activation is not None:
-        if isinstance(activation, Moments):
-            activation = tangent_share(activation, basis)
         act_ratio = energy_ratio(activation, k, d)
         normalized = ratio / act_ratio if act_ratio > 0 else math.nan
     return EnergyTestResult(
