@@ -81,10 +81,13 @@ def gram_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if low and _ieee_float32_matmul(x.device) else torch.float64
 
 
-def unit_scale(t: Tensor) -> Tensor:
-    """2^-e with 2^(e-1) ≤ max|t| < 2^e (1 for zeros), on t's device: multiplying by it is
-    exact and brings t into [-1, 1), so float32 products neither overflow nor underflow."""
-    return torch.ldexp(torch.ones((), device=t.device), -torch.frexp(t.abs().amax())[1])
+def unit_scale(*tensors: Tensor) -> Tensor:
+    """2^-e with 2^(e-1) ≤ max|t| < 2^e over every entry of ``tensors`` (1 for zeros), on
+    their device: multiplying by it is exact and brings them into [-1, 1), so float32
+    products neither overflow nor underflow."""
+    peaks = [torch.maximum(high, -low) for low, high in map(torch.aminmax, tensors)]
+    peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()  # one pass, no |t| copy
+    return torch.ldexp(torch.ones((), device=peak.device), -torch.frexp(peak)[1])
 
 
 def scatter_of(rows: Tensor, mean: Tensor, *, fast: bool = False) -> Tensor:

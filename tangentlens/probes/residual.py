@@ -67,11 +67,11 @@ def energy_sums(x: Tensor, basis: TangentBasis, mask: Tensor | None = None) -> T
     if mask is not None:
         x = x[mask.to(x.device).bool()]
     rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
-    coords = basis.coordinates(rows)
+    flat, coords = rows.reshape(-1), basis.coordinates(rows).reshape(-1)
     return torch.stack(
         [
-            rows.pow(2).sum(),
-            coords.pow(2).sum(),
+            torch.dot(flat, flat),  # no squared copy
+            torch.dot(coords, coords),
             torch.tensor(float(rows.shape[0]), dtype=torch.float64, device=rows.device),
         ]
     )

@@ -456,7 +456,7 @@ def pooled_weight_gram(x: Tensor, deltas: Sequence[Tensor], form: str = "auto") 
         return (s + s.T) / 2
     centre = (x.sum(0, dtype=torch.float64) / x.shape[0]).to(work)
     c = centre.to(torch.float64)
-    scale = unit_scale(torch.stack([delta.abs().amax() for delta in deltas]))
+    scale = unit_scale(*deltas)
     scaled = [delta.to(work) * scale for delta in deltas]
     sums = torch.cat([delta.sum(0, dtype=torch.float64) for delta in scaled])
     widths = [delta.shape[1] for delta in scaled]
