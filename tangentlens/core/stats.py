@@ -104,8 +104,8 @@ def scatter_of(rows: Tensor, mean: Tensor, *, fast: bool = False) -> Tensor:
     centred.mul_(scale)
     offset = centred.sum(0, dtype=torch.float64) / rows.shape[0]  # (x̄ − centre)·scale
     gram = (centred.T @ centred).to(torch.float64)
-    gram -= torch.outer(offset, offset) * rows.shape[0]
-    return gram / scale.to(torch.float64) ** 2
+    gram.addr_(offset, offset, alpha=-rows.shape[0])  # in place: d × d passes are the cost
+    return gram.mul_(scale.to(torch.float64) ** -2)  # exact: a power of two
 
 
 @torch.no_grad()
@@ -273,9 +273,13 @@ class Moments:
             self._scatter.copy_(scatter_b)
             self._n = n
             return
-        delta = mean_b - self._mean
+        delta, weight = mean_b - self._mean, n_a * n_b / n
         self._mean += delta * (n_b / n)
-        self._scatter += (scatter_b + torch.outer(delta, delta) * (n_a * n_b / n)).to(self.dtype)
+        if self.dtype == torch.float64:  # in place, no d × d temporaries
+            self._scatter += scatter_b
+            self._scatter.addr_(delta, delta, alpha=weight)
+        else:  # rounded to the state's float32 once
+            self._scatter += (scatter_b + torch.outer(delta, delta) * weight).to(self.dtype)
         self._n = n
 
     # ------------------------------------------------------------------- merge
