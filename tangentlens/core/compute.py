@@ -116,8 +116,10 @@ def syrk(blocks: Sequence[Tensor]) -> Tensor:
                 c = update(1.0, rows, trans=1)
             else:
                 c = update(1.0, rows, beta=1.0, c=c, trans=1, overwrite_c=1)
-    upper = torch.from_numpy(c).triu()
-    return upper + upper.triu(1).T
+    upper = torch.from_numpy(c).triu_()  # BLAS leaves the other triangle undefined
+    full = upper + upper.T
+    full.diagonal().sub_(upper.diagonal())  # 2x − x: exact
+    return full
 
 
 def _fortran(matrix: Tensor) -> np.ndarray:

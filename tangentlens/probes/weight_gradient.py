@@ -464,23 +464,23 @@ def pooled_weight_gram(x: Tensor, deltas: Sequence[Tensor], form: str = "auto") 
     if form == "direct":
         s = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
         for delta, s_m in zip(scaled, sums.split(widths), strict=True):
-            g = (x_c.T @ delta).to(torch.float64) + torch.outer(c, s_m)
+            g = (x_c.T @ delta).to(torch.float64).addr_(c, s_m)
             g_scale = unit_scale(g)
-            gram = syrk([(g * g_scale).to(work)]).to(torch.float64)
-            s += gram / g_scale.to(torch.float64) ** 2
-        return s / scale.to(torch.float64) ** 2
+            gram = syrk([g.mul_(g_scale).to(work)]).to(torch.float64)
+            s += gram.mul_(g_scale.to(torch.float64) ** -2)  # exact: a power of two
+        return s.mul_(scale.to(torch.float64) ** -2)
     x_scale = unit_scale(x_c)
     x_c *= x_scale
     k = syrk(scaled)
     u = torch.zeros(x.shape[0], dtype=work, device=x.device)
     for delta, s_m in zip(scaled, sums.split(widths), strict=True):
         u.addmv_(delta, s_m.to(work))
-    w = (x_c.T @ u).to(torch.float64) / x_scale.to(torch.float64)
-    s = (x_c.T @ (k @ x_c)).to(torch.float64) / x_scale.to(torch.float64) ** 2
-    s = (s + s.T) / 2
-    cw = torch.outer(c, w)
-    s += cw + cw.T + torch.outer(c, c) * (sums @ sums)
-    return s / scale.to(torch.float64) ** 2
+    # in X̃'s scaled frame (c and w times x_scale, exact): m = A + 2 c wᵀ + ‖s‖² ccᵀ in
+    # place, then (m + mᵀ)/2, symmetric bit for bit, unscaled by powers of two
+    c_x = c * x_scale.to(torch.float64)
+    m = (x_c.T @ (k @ x_c)).to(torch.float64)
+    m.addr_(c_x, (x_c.T @ u).to(torch.float64), alpha=2).addr_(c_x * (sums @ sums), c_x)
+    return (m + m.T).mul_((x_scale.to(torch.float64) * scale.to(torch.float64)) ** -2 / 2)
 
 
 def energy_intervals(
