@@ -3,6 +3,7 @@ all-float64 products, on SmolLM2-135M and on an adversarial stream.
 
     .venv/bin/python benchmarks/bench_accumulation.py [--layers all|0,5,10] [--batches 4]
     .venv/bin/python benchmarks/bench_accumulation.py --fit-timing 3   # time only
+    .venv/bin/python benchmarks/bench_accumulation.py --gradient-products --layers 0,10,20,29
 
 Three runs over the same tokens, bases and seed: the reference (every per-batch product
 in float64: `tangentlens.core.stats.gram_dtype` forced to float64), the default (float32
@@ -13,7 +14,10 @@ the bases. Then a stream of mean 1e4 with unit spread (float32), where only the 
 centre keeps float32 products accurate. Also the time of one batch's statistics at
 d = 576, n = 512 in both dtypes (one thread; noisy on a shared machine). With
 ``--fit-timing N``: only `fit_bases` (2 batches of 4 × 128 tokens) with float32 against
-float64 products, interleaved N times, as the ratio of the two with its spread.
+float64 products, interleaved N times, as the ratio of the two with its spread. With
+``--gradient-products``: only the gradient probe, its per-batch products of the gradients
+in float32 (as the activations' are) against the float64 ones it takes, 4 × 128 tokens a
+batch: what float32 would move.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 from tangentlens import models
 from tangentlens.core import stats
 from tangentlens.core.subspace import subspace_overlap
-from tangentlens.probes import fit_bases, run, weight_gradient
+from tangentlens.probes import fit_bases, run, session, weight_gradient
 
 PROBES = ("residual", "gradient", "weight_gradient")
 COMPARED = (
@@ -121,17 +125,41 @@ def _fit_timing(bridge, tok, layers, repeat: int) -> None:
     print(f"float32 / float64 products: {med:.2f} (spread {lo:.2f}-{hi:.2f})")
 
 
+def _gradient_products(bridge, tok, layers, n_batches: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, len(tok), (4, 128), generator=gen) for _ in range(n_batches)]
+    bases = fit_bases(bridge, batches[:2], rank=16, layers=layers, progress=False)
+    opts = {"layers": layers, "progress": False}
+    ref = _values(run(bridge, batches, bases, ("gradient",), **opts).results(progress=False))
+    observation = session.Observation
+
+    def float32_products(*args, **kwargs):
+        kwargs["fast"] = True
+        return observation(*args, **kwargs)
+
+    with mock.patch.object(session, "Observation", float32_products):
+        fast = run(bridge, batches, bases, ("gradient",), **opts).results(progress=False)
+    print(f"SmolLM2-135M, {n_batches}x4x128 tokens, layers={layers}: gradient products")
+    _report("float32", _values(fast), ref)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default="all")
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--fit-timing", type=int, default=0, help="only time fit_bases, N times")
+    ap.add_argument(
+        "--gradient-products", action="store_true", help="only float32 gradient products"
+    )
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     bridge, tok = models.load("smollm2-135m")
     layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     if args.fit_timing:
         _fit_timing(bridge, tok, layers, args.fit_timing)
+        return
+    if args.gradient_products:
+        _gradient_products(bridge, tok, layers, args.batches)
         return
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, len(tok), (1, 128), generator=gen) for _ in range(args.batches)]

@@ -1,7 +1,7 @@
 """The curve: the probe pass's slope per batch and the fixed costs, as ratios to bare passes.
 
     .venv/bin/python benchmarks/bench_curve.py [--batches 1,4,16,32] [--repeat 2]
-        [--layers all|0,5,10] [--breakdown] [--head-null N] [--quick]
+        [--layers all|0,5,10] [--breakdown] [--where] [--head-null N] [--quick]
 
 On SmolLM2-135M (30 layers, d = 576) with the default bases of `fit_bases` (rank 16) and
 the four default probes (residual, attention with its head null, gradient,
@@ -17,7 +17,11 @@ so per 512 tokens) and an intercept: the pass's slope over the bare slope is wha
 further batch costs; `results()` is a fixed cost, reported in bare forward+backward passes
 (the bare slope). ``end to end`` is (pass + results) / bare at each B; ``fit_bases`` is
 its time over the B bare forwards. ``--breakdown`` adds each probe alone: its pass slope
-over the bare slope, minus one (what it adds per batch). ``--head-null N``: the attention
+over the bare slope, minus one (what it adds per batch). ``--where``: after the repeats,
+one more pass over the largest B with a timer around each probe's per-batch step (the
+weight gradient's fold and its activation energies, the attention split, the gradient and
+residual updates), each in bare forward+backward passes of those batches, and the rest
+(hooks and the probes' other work). ``--head-null N``: the attention
 probe's null frames (0: none; its default null sees the first `HEAD_NULL_SEQUENCES`
 sequences, a fixed cost that the line puts in the intercept). ``--quick``: layers 0 and 1,
 B in 1, 2, one repeat (a smoke run).
@@ -30,20 +34,55 @@ is printed before and after.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
 from _timing import device_timed
 
+import tangentlens.probes.weight_gradient as wg
 from tangentlens import models
 from tangentlens.probes import fit_bases, lm_loss, probe
+from tangentlens.probes.attention import AttentionProbe
+from tangentlens.probes.gradient import GradientProbe
+from tangentlens.probes.residual import ResidualProbe
 
 PROBES = ("residual", "attention", "gradient", "weight_gradient")
 BATCH, POS = 4, 128
+STEPS = {  # --where: each probe's per-batch step (none calls another)
+    "weight_gradient fold (pooled_weight_gram)": (wg, "pooled_weight_gram"),
+    "weight_gradient activation energies": (wg.WeightGradientProbe, "update"),
+    "attention split (update)": (AttentionProbe, "update"),
+    "gradient update_gradient": (GradientProbe, "update_gradient"),
+    "gradient update (activations)": (GradientProbe, "update"),
+    "residual update": (ResidualProbe, "update"),
+}
+
+
+@contextlib.contextmanager
+def _timers(spent: Counter) -> Iterator[None]:
+    """Each of `STEPS` wrapped to add its wall time to ``spent``."""
+
+    def timed(label: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - start
+
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        for label, (owner, name) in STEPS.items():
+            stack.enter_context(mock.patch.object(owner, name, timed(label, getattr(owner, name))))
+        yield
 
 
 def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
@@ -68,6 +107,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--layers", default="all", help="all, or comma-separated layer indices")
     ap.add_argument("--breakdown", action="store_true", help="also each probe alone")
+    ap.add_argument("--where", action="store_true", help="time each probe's step in one pass")
     ap.add_argument(
         "--head-null",
         type=int,
@@ -176,6 +216,18 @@ def curve(args: argparse.Namespace, device: str = "cpu", deadline: float | None 
         if deadline is not None and time.monotonic() > deadline and r + 1 < args.repeat:
             print(f"past the time budget: {args.repeat - r - 1} repeat(s) left out", flush=True)
             break
+    if args.where:
+        batches = data[: ran[-1]]
+        t_bare = timed(lambda: bare_fb(batches))
+        spent: Counter = Counter()
+        with _timers(spent):
+            _, t_pass = session_pass(PROBES, batches)
+        print(f"\nwhere one pass of B={ran[-1]} goes, in bare fwd+bwd passes of those batches:")
+        print(f"{'the pass, over the bare':>42}: {t_pass / t_bare:.2f}x")
+        for label, seconds in spent.most_common():
+            print(f"{label:>42}: +{seconds / t_bare:.2f}")
+        rest = t_pass - t_bare - sum(spent.values())
+        print(f"{'the rest (hooks, the probes other work)':>42}: +{rest / t_bare:.2f}")
     print(
         f"\nSmolLM2-135M on {device}, {len(bases)} bases, layers={args.layers}, B={ran}, "
         f"{BATCH}x{POS} tokens a batch, repeats={args.repeat}; load average {os.getloadavg()}"
