@@ -129,10 +129,10 @@ def test_site_map_runs_one_thread_even_with_one_worker():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_syrk_is_the_symmetric_sum_of_products(dtype, threads):
-    """BLAS ``?syrk`` (one or two torch threads) and the torch product (more) both give
-    Σ A Aᵀ, both triangles, and leave their inputs as they were."""
+    """BLAS ``?syrk`` (one torch thread) and torch's product (two) both give Σ A Aᵀ, both
+    triangles equal bit for bit, and leave their inputs as they were."""
     gen = torch.Generator().manual_seed(0)
     blocks = [torch.randn(9, k, generator=gen, dtype=dtype) for k in (5, 1, 13)]
     kept = [b.clone() for b in blocks]

@@ -22,9 +22,9 @@ those libraries, rather than through pointer code of this package's own. scipy's
 hold the GIL for the whole call, so two workers' ``dsyevr`` or ``dsytrd`` take turns; the
 rest of a site's work (torch) runs side by side.
 
-`syrk` is the symmetric rank-k update Σ A Aᵀ (BLAS ``?syrk`` through scipy on CPU), one
-triangle for half the flops of a product, which torch does not offer; the weight-gradient
-probe forms its per-pass Grams with it.
+`syrk` is the symmetric sum of products Σ A Aᵀ, exactly symmetric (BLAS ``?syrk`` through
+scipy on one torch thread, torch's product otherwise); the weight-gradient probe forms its
+per-pass Grams with it.
 """
 
 from __future__ import annotations
@@ -95,19 +95,28 @@ def _blas() -> ThreadpoolController:
 
 def syrk(blocks: Sequence[Tensor]) -> Tensor:
     """Σ_b A_b A_bᵀ over the 2-D ``blocks`` (one dtype, float32 or float64, same row
-    count), symmetric. A symmetric rank-k update forms one triangle, half the flops of a
-    matrix product; torch has none, so CPU tensors take BLAS ``?syrk`` (scipy) on one
-    thread where torch has at most two, so that one thread does at least the work of
-    torch's full product spread over its threads. More BLAS threads would share the cores
-    with torch's own pool, whose threads spin between calls: that slows scipy's calls and
-    torch's alike. With more torch threads, and on other devices, the product."""
+    count), symmetric bit for bit. With one torch thread on CPU, BLAS ``?syrk`` (scipy,
+    one BLAS thread): one triangle, half the flops. With more threads, or on another
+    device, torch's full product: on two threads it is the faster of the two at the
+    weight-gradient fold's sizes, and BLAS threads of scipy's own would contend with
+    torch's pool for the cores (`benchmarks/bench_syrk.py`, docs/PERFORMANCE.md)."""
+    one_thread = blocks[0].device.type == "cpu" and torch.get_num_threads() == 1
+    return _mirrored(_blas_syrk(blocks) if one_thread else _product(blocks))
+
+
+def _product(blocks: Sequence[Tensor]) -> Tensor:
+    """Σ A Aᵀ by torch's matrix product, both triangles."""
     first = blocks[0]
-    if first.device.type != "cpu" or torch.get_num_threads() > 2:
-        out = first @ first.T
-        for a in blocks[1:]:
-            out.addmm_(a, a.T)
-        return out
-    update = scipy.linalg.blas.dsyrk if first.dtype == torch.float64 else scipy.linalg.blas.ssyrk
+    out = first @ first.T
+    for a in blocks[1:]:
+        out.addmm_(a, a.T)
+    return out
+
+
+def _blas_syrk(blocks: Sequence[Tensor]) -> Tensor:
+    """Σ A Aᵀ's upper triangle by BLAS ``?syrk`` on one BLAS thread (the other undefined)."""
+    blas = scipy.linalg.blas
+    update = blas.dsyrk if blocks[0].dtype == torch.float64 else blas.ssyrk
     c = None
     with _blas().limit(limits=1, user_api="blas"):
         for a in blocks:
@@ -116,7 +125,13 @@ def syrk(blocks: Sequence[Tensor]) -> Tensor:
                 c = update(1.0, rows, trans=1)
             else:
                 c = update(1.0, rows, beta=1.0, c=c, trans=1, overwrite_c=1)
-    upper = torch.from_numpy(c).triu_()  # BLAS leaves the other triangle undefined
+    return torch.from_numpy(c)
+
+
+def _mirrored(square: Tensor) -> Tensor:
+    """The upper triangle of ``square`` and its mirror: a product need not round (i, j)
+    and (j, i) alike, and BLAS leaves the lower triangle undefined."""
+    upper = square.triu_()
     full = upper + upper.T
     full.diagonal().sub_(upper.diagonal())  # 2x − x: exact
     return full

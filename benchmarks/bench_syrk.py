@@ -1,0 +1,138 @@
+"""The weight-gradient fold's symmetric products, both ways `compute.syrk` forms them:
+torch's full product against BLAS ``?syrk`` through scipy on one BLAS thread.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_syrk.py [--repeat 11] [--model]
+
+No model: Σ A Aᵀ at the shapes of SmolLM2-135M's fold at 4 × 128 tokens a pass (the token
+Gram K at ``mlp_in`` and ``attn_in``, G_mG_mᵀ of W_Q and of a gate map), on one torch
+thread and on two, both interleaved; the median milliseconds per call with min–max.
+``--model``: then, with all 30 layers and all four default probes (head null off), two
+batches of 4 × 128 tokens a pass, the seconds spent in `pooled_weight_gram` with each and
+the pass over the bare forward+backward, interleaved per repeat (4 repeats).
+Timing on a shared machine is noisy: read the ratios of one run; the load average is
+printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from unittest import mock
+
+import torch
+from torch import Tensor
+
+import tangentlens.probes.weight_gradient as wg
+from tangentlens.core.compute import _blas_syrk, _mirrored, _product
+
+SHAPES = {
+    "K at mlp_in (2 × 512×1536)": [(512, 1536), (512, 1536)],
+    "K at attn_in (512×576,192,192)": [(512, 576), (512, 192), (512, 192)],
+    "G Gᵀ of W_Q (576×576)": [(576, 576)],
+    "G Gᵀ of a gate (576×1536)": [(576, 1536)],
+}
+
+
+def product(blocks: Sequence[Tensor]) -> Tensor:
+    return _mirrored(_product(blocks))
+
+
+def blas_syrk(blocks: Sequence[Tensor]) -> Tensor:
+    return _mirrored(_blas_syrk(blocks))
+
+
+def _ms(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def isolated(repeat: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    for n_threads in (1, 2):
+        torch.set_num_threads(n_threads)
+        print(f"\n{n_threads} torch thread(s); ms per call, median (min-max)")
+        for label, shapes in SHAPES.items():
+            blocks = [torch.randn(s, generator=gen) for s in shapes]
+            assert torch.allclose(product(blocks), blas_syrk(blocks), rtol=1e-4, atol=1e-3)
+            times: dict[str, list[float]] = {"product": [], "BLAS syrk": []}
+            for _ in range(repeat):
+                times["product"].append(_ms(lambda b=blocks: product(b)))
+                times["BLAS syrk"].append(_ms(lambda b=blocks: blas_syrk(b)))
+            cells = [
+                f"{k} {statistics.median(v):6.2f} ({min(v):.2f}-{max(v):.2f})"
+                for k, v in times.items()
+            ]
+            print(f"{label:>32}: " + "   ".join(cells))
+    torch.set_num_threads(before)
+
+
+def in_model() -> None:
+    from tangentlens import models
+    from tangentlens.probes import fit_bases, lm_loss, probe
+
+    warnings.simplefilter("ignore")
+    bridge, tok = models.load("smollm2-135m")
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, len(tok), (4, 128), generator=gen) for _ in range(3)]
+    bases = fit_bases(bridge, data[:1], rank=16, progress=False)
+    names = ("residual", "attention", "gradient", "weight_gradient")
+    fold = wg.pooled_weight_gram
+    spent = [0.0]
+
+    def timed_fold(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fold(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    def fb() -> None:
+        for ids in data[1:]:
+            lm_loss(bridge, ids).backward()
+            bridge.zero_grad(set_to_none=True)
+
+    out: dict[str, list[tuple[float, float]]] = {"product": [], "BLAS syrk": []}
+    fb()
+    for r in range(4):
+        bare = _ms(fb) / 1e3
+        for label in ("product", "BLAS syrk") if r % 2 == 0 else ("BLAS syrk", "product"):
+            spent[0] = 0.0
+            chosen = product if label == "product" else blas_syrk
+            with (
+                mock.patch.object(wg, "syrk", chosen),
+                mock.patch.object(wg, "pooled_weight_gram", timed_fold),
+                probe(bridge, bases, names, head_null=0),
+            ):
+                t = _ms(fb) / 1e3
+            out[label].append((spent[0], t / bare))
+        print(f"repeat {r}: bare {bare:.1f} s; load {os.getloadavg()[0]:.1f}", flush=True)
+    print("\nin the pass (2 batches, all layers): fold seconds; pass over bare fwd+bwd")
+    for label, rows in out.items():
+        folds, ratios = [a for a, _ in rows], [b for _, b in rows]
+        print(
+            f"{label:>10}: fold {statistics.median(folds):.2f} s ({min(folds):.2f}-"
+            f"{max(folds):.2f}); pass {statistics.median(ratios):.2f}x "
+            f"({min(ratios):.2f}-{max(ratios):.2f})"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=11)
+    ap.add_argument("--model", action="store_true", help="also inside a probe pass")
+    args = ap.parse_args()
+    print(f"load average {os.getloadavg()}")
+    isolated(args.repeat)
+    if args.model:
+        in_model()
+    print(f"load average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
