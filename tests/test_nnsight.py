@@ -24,6 +24,7 @@ from models import (
 from tangentlens.core.settings import HEAD_NULL
 from tangentlens.core.stats import Moments
 from tangentlens.hooks import Site, get_backend
+from tangentlens.hooks.families import unwrap
 from tangentlens.hooks.nnsight import NNsightBackend, moments_from_saved, trace_moments
 from tangentlens.hooks.transformer_lens import TransformerLensBackend
 from tangentlens.probes import fit_bases, probe, run
@@ -122,6 +123,26 @@ def test_sites_activations_and_gradients(arch: str) -> None:
     for site, ref in zip(sites, reference, strict=True):
         torch.testing.assert_close(acts[site], tl_acts[site], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(grads[site], ref, atol=1e-7, rtol=1e-5, msg=str(site))
+
+
+@pytest.mark.filterwarnings("ignore:Q_T fitted on even and on odd")
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_a_forward_only_run_stops_after_the_last_layer_it_reads(arch: str) -> None:
+    """On NNsight too: fit_bases on layer 0 never runs the output head, its bases are the
+    full fit's bit for bit, and no hook of the stop is left behind."""
+    model = _nnsight(arch)
+    batches = [tokens(arch, seed=s) for s in range(4)]
+    full = fit_bases(model, batches, rank=2, progress=False)
+    before, fired = hook_counts(model), []
+    head = unwrap(model).get_output_embeddings()
+    handle = head.register_forward_hook(lambda *_: fired.append(1))
+    try:
+        part = fit_bases(model, batches, rank=2, layers=0, progress=False)
+    finally:
+        handle.remove()
+    assert fired == [] and hook_counts(model) == before
+    assert set(part) == {s for s in full if Site.from_hook_name(s).layer == 0}
+    assert all(torch.equal(part[s].basis_, full[s].basis_) for s in part)
 
 
 def test_neox_parallel_residual_has_no_resid_mid() -> None:

@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from helpers import hook_counts
 from models import ALL_MODELS, CAUSAL, padded_batch, tl_bridge, tokens
 from torch import Tensor
 
@@ -15,7 +16,7 @@ from tangentlens.core.subspace import TangentBasis
 from tangentlens.hooks import Site, get_backend
 from tangentlens.probes import BasisSet, fit_bases, lm_loss, probe, run
 from tangentlens.probes.activation import FixedSample, Reservoir
-from tangentlens.probes.base import first_equal
+from tangentlens.probes.base import Probe, first_equal
 
 OPTS = {"n_controls": 50, "progress": False}
 RANK = 4
@@ -310,6 +311,49 @@ def test_layers_and_sites_restrict_the_probes(fitted: dict) -> None:
         model, [tokens("gpt2")], bases, ("residual",), sites="blocks.0.hook_resid_post", **OPTS
     ).results()
     assert set(zip(only["site"], only["layer"], strict=True)) == {("resid_post", 0)}
+
+
+@pytest.mark.filterwarnings("ignore:Q_T fitted on even and on odd")
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_a_forward_only_run_stops_after_the_last_layer_it_reads(arch: str) -> None:
+    """fit_bases on layer 0 runs neither the last block nor the unembedding, its bases are
+    the full fit's bit for bit, no hook is left behind and the model runs whole after."""
+    model = tl_bridge(arch)
+    assert model.cfg.n_layers > 1
+    batches = [tokens(arch, seed=s) for s in range(4)]
+    full = fit_bases(model, batches, rank=2, progress=False)
+    before, fired = hook_counts(model), []
+    handles = [
+        module.register_forward_hook(lambda *_, name=name: fired.append(name))
+        for name, module in (("last block", model.blocks[-1]), ("unembed", model.unembed))
+    ]
+    try:
+        part = fit_bases(model, batches, rank=2, layers=0, progress=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert fired == [] and hook_counts(model) == before  # the stop's hook is gone too
+    assert set(part) == {s for s in full if Site.from_hook_name(s).layer == 0}
+    assert all(torch.equal(part[s].basis_, full[s].basis_) for s in part)
+    assert torch.isfinite(model(batches[0])).all()
+
+
+def test_the_last_layer_a_probe_reads() -> None:
+    """`Probe.last_layer`: the deepest forward site; None (the whole forward) for a probe
+    with hooks of its own, and for a session holding one."""
+
+    class Plain(Probe):
+        forward_sites = (Site(0, "resid_pre"), Site(1, "attn_in"))
+
+    class Hooked(Plain):
+        def attach(self, backend):
+            return []
+
+    assert Plain().last_layer == 1 and Hooked().last_layer is None
+    session = probe(tl_bridge("gpt2"), None, ("activation",), layers=0)
+    assert session.last_layer == 0
+    session.probes["other"] = Hooked()
+    assert session.last_layer is None
 
 
 # ------------------------------------------------------------------ bases

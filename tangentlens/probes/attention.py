@@ -264,6 +264,11 @@ class AttentionProbe(Probe):
     def forward_sites(self) -> list[Site]:
         return list(self.layers)
 
+    @property
+    def last_layer(self) -> int | None:
+        """The deepest attention input: the head writes' z hooks sit in those layers."""
+        return max((site.layer for site in self.layers), default=None)
+
     def attach(self, backend: Backend) -> list[Handle]:
         """A hook on each write layer's z (`Backend.add_z_hook`)."""
         handles: list[Handle] = []

@@ -162,6 +162,16 @@ class Probe:
         output require grad (frozen models) and `run` takes gradients."""
         return bool(self.backward_sites)
 
+    @property
+    def last_layer(self) -> int | None:
+        """The deepest layer whose forward this probe reads: a forward-only pass may stop
+        after that layer's ``resid_post`` (`run`). None: it needs the whole forward. By
+        default the deepest of `forward_sites` for a probe without hooks of its own; a
+        probe whose `attach` adds hooks says where they are (they could read the logits)."""
+        if type(self).attach is not Probe.attach or not self.forward_sites:
+            return None
+        return max(site.layer for site in self.forward_sites)
+
     def saw_backward(self) -> bool:
         """Whether a backward pass reached this probe through its own hooks (`attach`);
         the session counts those through its sites itself."""

@@ -9,9 +9,10 @@ the parameters' ``.grad`` stay as the caller's code leaves them.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -190,8 +191,10 @@ def run(
     The one entry point for a probing run: `probe` is the context manager under it (for
     passes you run yourself), `tangentlens.probes.distributed.run_probe` the same over
     several processes. Without a gradient probe each batch is one forward under
-    ``no_grad``; with one, the loss is differentiated with respect to the embedding
-    output only, so the model's parameters keep their ``.grad``.
+    ``no_grad``, stopped after the deepest layer a probe reads (`Probe.last_layer`): no
+    later block, final norm or unembedding runs for nothing. With one, the loss is
+    differentiated with respect to the embedding output only, so the model's parameters
+    keep their ``.grad``.
 
     Args:
         model: A TransformerLens bridge or an nnsight model (`load`).
@@ -249,11 +252,11 @@ def run(
     else:  # a stream: read one batch at a time
         batches, total = iter_batches(model, batches), None
     device = _device(model)
-    with session:
+    with session, contextlib.nullcontext() if wants_grad else _stopped_forward(session):
         for batch in tqdm(batches, total=total, disable=not progress, desc="probing"):
             ids, mask = unpack_batch(batch)
             if not wants_grad:
-                with torch.no_grad():
+                with torch.no_grad(), contextlib.suppress(_ForwardDone):
                     _forward(model, ids.to(device), None if mask is None else mask.to(device))
                 continue
             session.leaves.clear()
@@ -264,6 +267,33 @@ def run(
                 torch.autograd.grad(value, session.leaves, allow_unused=True)
     session.leaves = None
     return session
+
+
+class _ForwardDone(Exception):
+    """Raised by `_stopped_forward`'s hook: the rest of the forward is not read."""
+
+
+@contextlib.contextmanager
+def _stopped_forward(session: ProbeSession) -> Iterator[None]:
+    """Forward passes inside stop at the ``resid_post`` of `ProbeSession.last_layer`,
+    after the session's own hooks there, by raising `_ForwardDone`: the later blocks, the
+    final norm and the unembedding (on a small vocabulary-heavy model a fifth of the
+    forward) compute nothing a forward-only probe reads. Without that layer's
+    ``resid_post`` among the backend's sites: the whole forward."""
+    last = session.last_layer
+    site = None if last is None else Site(last, "resid_post")
+    if site is None or site not in session.backend.sites():
+        yield
+        return
+
+    def stop(x: Tensor) -> None:
+        raise _ForwardDone
+
+    handle = session.backend.add_forward_hook(site, stop)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def fit_bases(

@@ -223,6 +223,14 @@ class ProbeSession:
         return self.probes.get("attention")  # type: ignore[return-value]
 
     @property
+    def last_layer(self) -> int | None:
+        """The deepest layer any probe reads (`Probe.last_layer`); None: the whole forward."""
+        layers = [p.last_layer for p in self.probes.values()]
+        if not layers or any(layer is None for layer in layers):
+            return None
+        return max(layer for layer in layers if layer is not None)
+
+    @property
     def activation(self) -> ActivationProbe | None:
         return self.probes.get("activation")  # type: ignore[return-value]
 

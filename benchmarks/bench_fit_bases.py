@@ -1,0 +1,90 @@
+"""`fit_bases` with its forward stopped after the deepest layer it reads, against the
+whole forward (logits included), as multiples of the bare forwards, in one process.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_fit_bases.py [--batches 4] [--repeat 3]
+        [--layers all,0-5]
+
+On SmolLM2-135M (30 layers, vocabulary 49,152), batches of 4 × 128 tokens, rank 16. For
+each layer set in ``--layers`` (``all``, or ``a-b`` for layers a to b), each repeat times
+the B bare forwards (no gradient, the whole model), then `fit_bases` as it runs and
+`fit_bases` with the stop turned off (`driver._stopped_forward` made a no-op), their
+order alternating between repeats. The bases of both are compared first (bit for bit).
+Timing on a shared machine is noisy: read the ratios of one run; the load average is
+printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+import warnings
+from unittest import mock
+
+import torch
+
+from tangentlens import models
+from tangentlens.probes import driver, fit_bases
+
+
+def _layers(spec: str) -> list[int] | None:
+    if spec == "all":
+        return None
+    first, last = (int(x) for x in spec.split("-"))
+    return list(range(first, last + 1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--layers", default="all,0-5", help="comma-separated: all, or a-b")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    print(f"load average {os.getloadavg()}, {torch.get_num_threads()} threads", flush=True)
+    bridge, tok = models.load("smollm2-135m")
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, len(tok), (4, 128), generator=gen) for _ in range(args.batches)]
+    whole = mock.patch.object(driver, "_stopped_forward", lambda session: contextlib.nullcontext())
+
+    def fit(layers: list[int] | None, stopped: bool):
+        with contextlib.nullcontext() if stopped else whole:
+            return fit_bases(bridge, data, rank=16, layers=layers, progress=False)
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def bare() -> None:
+        with torch.no_grad():
+            for ids in data:
+                bridge(ids)
+
+    for spec in args.layers.split(","):
+        layers = _layers(spec)
+        a, b = fit(layers, True), fit(layers, False)
+        same = all(torch.equal(a[s].basis_, b[s].basis_) for s in a)
+        ratios: dict[str, list[float]] = {"stopped": [], "whole forward": []}
+        for r in range(args.repeat):
+            t_bare = timed(bare)
+            order = ("stopped", "whole forward") if r % 2 == 0 else ("whole forward", "stopped")
+            for label in order:
+                t = timed(lambda label=label, layers=layers: fit(layers, label == "stopped"))
+                ratios[label].append(t / t_bare)
+        cells = [
+            f"{k} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})"
+            for k, v in ratios.items()
+        ]
+        print(
+            f"layers {spec}: {len(a)} bases, equal: {same}; over the bare forwards: "
+            + "; ".join(cells),
+            flush=True,
+        )
+    print(f"load average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
