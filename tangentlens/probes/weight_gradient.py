@@ -31,8 +31,8 @@ G·(16d² + 8d) bytes (half the d² part compact), and `group_matrices` returns 
 Products (`pooled_weight_gram`): the maps of a site read one X, so the Δ of every map of
 a pass are folded together, Σ_m G_mG_mᵀ either from each G_m = X̃ᵀΔ_m or as X̃ᵀKX̃ with
 the token Gram K = Σ_m Δ_mΔ_mᵀ (n × n), whichever takes fewer flops (`fold_flops`: the
-token form when a pass has few tokens against d and Σ out), symmetric products made
-exactly symmetric (`compute.syrk`); in `stats.gram_dtype` (float32 for float32 activations on an
+token form when a pass has few tokens against d and Σ out), symmetric products exactly
+symmetric (`compute.syrk`); in `stats.gram_dtype` (float32 for float32 activations on an
 IEEE device) about X's mean, scaled by exact powers of two, read back into float64 state.
 
 X and Δ come from hooks on the maps themselves (`Backend.input_linears`): a forward hook
@@ -416,10 +416,10 @@ def weight_gram(x: Tensor, delta: Tensor) -> Tensor:
 
 def fold_flops(n: int, d: int, outs: int, form: str) -> int:
     """Flops of Σ_m G_mG_mᵀ for ``n`` tokens, ``d`` inputs and ``outs`` = Σ_m out_m
-    outputs, each symmetric product counted at one triangle's flops: "direct" forms each
-    G_m = XᵀΔ_m and their Gram, "token" the token Gram K = Σ_m Δ_mΔ_mᵀ and XᵀKX. Which
-    is cheaper turns on n against d; this count puts the switch where the timed forms
-    cross (docs/PERFORMANCE.md)."""
+    outputs, each symmetric product counted at one triangle's flops (as BLAS ``?syrk``
+    spends them; torch's product spends twice as many, in less time on two threads):
+    "direct" forms each G_m = XᵀΔ_m and their Gram, "token" the token Gram
+    K = Σ_m Δ_mΔ_mᵀ and XᵀKX. Which is cheaper turns on n against d."""
     if form == "direct":
         return 2 * n * d * outs + d * d * outs
     return n * n * outs + 2 * n * n * d + 2 * n * d * d
