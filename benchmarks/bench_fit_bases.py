@@ -19,11 +19,11 @@ import argparse
 import contextlib
 import os
 import statistics
-import time
 import warnings
 from unittest import mock
 
 import torch
+from _timing import timed
 
 from tangentlens import models
 from tangentlens.probes import driver, fit_bases
@@ -52,11 +52,6 @@ def main() -> None:
     def fit(layers: list[int] | None, stopped: bool):
         with contextlib.nullcontext() if stopped else whole:
             return fit_bases(bridge, data, rank=16, layers=layers, progress=False)
-
-    def timed(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
 
     def bare() -> None:
         with torch.no_grad():

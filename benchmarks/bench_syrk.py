@@ -18,17 +18,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from unittest import mock
 
 import torch
+from _timing import timed
+from bench_curve import STEPS, _timers
 from torch import Tensor
 
 import tangentlens.probes.weight_gradient as wg
 from tangentlens.core.compute import _blas_syrk, _mirrored, _product
 
+FOLD = next(label for label, (_, name) in STEPS.items() if name == "pooled_weight_gram")
 SHAPES = {
     "K at mlp_in (2 × 512×1536)": [(512, 1536), (512, 1536)],
     "K at attn_in (512×576,192,192)": [(512, 576), (512, 192), (512, 192)],
@@ -45,12 +48,6 @@ def blas_syrk(blocks: Sequence[Tensor]) -> Tensor:
     return _mirrored(_blas_syrk(blocks))
 
 
-def _ms(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
 def isolated(repeat: int) -> None:
     gen = torch.Generator().manual_seed(0)
     before = torch.get_num_threads()
@@ -62,8 +59,8 @@ def isolated(repeat: int) -> None:
             assert torch.allclose(product(blocks), blas_syrk(blocks), rtol=1e-4, atol=1e-3)
             times: dict[str, list[float]] = {"product": [], "BLAS syrk": []}
             for _ in range(repeat):
-                times["product"].append(_ms(lambda b=blocks: product(b)))
-                times["BLAS syrk"].append(_ms(lambda b=blocks: blas_syrk(b)))
+                times["product"].append(timed(lambda b=blocks: product(b)) * 1e3)
+                times["BLAS syrk"].append(timed(lambda b=blocks: blas_syrk(b)) * 1e3)
             cells = [
                 f"{k} {statistics.median(v):6.2f} ({min(v):.2f}-{max(v):.2f})"
                 for k, v in times.items()
@@ -82,15 +79,6 @@ def in_model() -> None:
     data = [torch.randint(0, len(tok), (4, 128), generator=gen) for _ in range(3)]
     bases = fit_bases(bridge, data[:1], rank=16, progress=False)
     names = ("residual", "attention", "gradient", "weight_gradient")
-    fold = wg.pooled_weight_gram
-    spent = [0.0]
-
-    def timed_fold(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fold(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - start
 
     def fb() -> None:
         for ids in data[1:]:
@@ -100,17 +88,17 @@ def in_model() -> None:
     out: dict[str, list[tuple[float, float]]] = {"product": [], "BLAS syrk": []}
     fb()
     for r in range(4):
-        bare = _ms(fb) / 1e3
+        bare = timed(fb)
         for label in ("product", "BLAS syrk") if r % 2 == 0 else ("BLAS syrk", "product"):
-            spent[0] = 0.0
+            spent: Counter = Counter()
             chosen = product if label == "product" else blas_syrk
             with (
                 mock.patch.object(wg, "syrk", chosen),
-                mock.patch.object(wg, "pooled_weight_gram", timed_fold),
+                _timers(spent),
                 probe(bridge, bases, names, head_null=0),
             ):
-                t = _ms(fb) / 1e3
-            out[label].append((spent[0], t / bare))
+                t = timed(fb)
+            out[label].append((spent[FOLD], t / bare))
         print(f"repeat {r}: bare {bare:.1f} s; load {os.getloadavg()[0]:.1f}", flush=True)
     print("\nin the pass (2 batches, all layers): fold seconds; pass over bare fwd+bwd")
     for label, rows in out.items():

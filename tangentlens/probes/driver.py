@@ -277,8 +277,8 @@ class _ForwardDone(Exception):
 def _stopped_forward(session: ProbeSession) -> Iterator[None]:
     """Forward passes inside stop at the ``resid_post`` of `ProbeSession.last_layer`,
     after the session's own hooks there, by raising `_ForwardDone`: the later blocks, the
-    final norm and the unembedding (on a small vocabulary-heavy model a fifth of the
-    forward) compute nothing a forward-only probe reads. Without that layer's
+    final norm and the unembedding (a large share of a small model with a large
+    vocabulary) compute nothing a forward-only probe reads. Without that layer's
     ``resid_post`` among the backend's sites: the whole forward."""
     last = session.last_layer
     site = None if last is None else Site(last, "resid_post")
