@@ -19,9 +19,9 @@ Ritz space, with the Ritz gap standing for the eigengap):
 Halves: two samples of 4096 vectors from one population (spectrum ∝ 1/i about a mean, one
 rotation), or with ``--smollm2`` the even and the odd batches of SmolLM2-135M's
 ``resid_pre``, ``attn_in``, ``resid_mid`` and ``mlp_in`` at those layers (random tokens,
-4 × 128 a batch). One thread, CPU time. Printed per site: each method's time for the two
-halves as a multiple of the two exact fits, its steps, and its overlap's difference from
-the exact one.
+4 × 128 a batch). One thread, CPU time, one call of each. Printed per site: each method's
+time for the two halves as a multiple of the two exact fits, its steps, and its overlap's
+difference from the exact one.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from _timing import cpu_timed
 
 from tangentlens.core.compute import threads, top_eigh
 from tangentlens.core.stats import Moments
+from tangentlens.core.subspace import subspace_overlap
 
 MAX_STEPS = 1000
 
@@ -119,10 +120,6 @@ def _smollm2_halves(layers: list[int], batches: int) -> dict[str, list[Moments]]
     return {s.hook_name: [halves[0][s], halves[1][s]] for s in halves[0]}
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.T @ b).pow(2).sum()) / a.shape[1]
-
-
 def _compare(name: str, halves: list[Moments], k: int, tol: float, extra: int) -> None:
     """One site: both alternatives against the two exact fits, printed as one line."""
     gen = torch.Generator().manual_seed(0)
@@ -131,7 +128,7 @@ def _compare(name: str, halves: list[Moments], k: int, tol: float, extra: int) -
     warm = top_eigh(Moments.merged(halves).covariance(), k + 1)[1]
     exact: list[torch.Tensor] = []
     unit = cpu_timed(lambda: exact.extend(top_eigh(c.clone(), k)[1] for c in covs))
-    reference = _overlap(*exact)
+    reference = subspace_overlap(*exact)
     cells = []
 
     def subspace() -> list[tuple]:
@@ -152,7 +149,7 @@ def _compare(name: str, halves: list[Moments], k: int, tol: float, extra: int) -
         (ua, sa), (ub, sb) = out
         diff = "not certified"
         if ua is not None and ub is not None:
-            diff = f"{abs(_overlap(ua, ub) - reference):.1e}"
+            diff = f"{abs(subspace_overlap(ua, ub) - reference):.1e}"
         cells.append(f"{method} {t / unit:5.2f}x ({sa}+{sb} steps, overlap {diff})")
     print(f"{name} (d={d}, two exact fits {1e3 * unit:.0f} ms): " + "; ".join(cells), flush=True)
 
