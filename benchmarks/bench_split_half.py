@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 import torch
 from _timing import cpu_timed
 
+from tangentlens import models
 from tangentlens.core.compute import threads, top_eigh
 from tangentlens.core.stats import Moments
 from tangentlens.core.subspace import subspace_overlap
+from tangentlens.hooks.sites import Site
+from tangentlens.probes import run
 
 MAX_STEPS = 1000
 
@@ -98,12 +102,6 @@ def _population_halves(d: int, gen: torch.Generator) -> list[Moments]:
 
 def _smollm2_halves(layers: list[int], batches: int) -> dict[str, list[Moments]]:
     """The even and the odd batches' `Moments` at four site kinds of those layers."""
-    import warnings
-
-    from tangentlens import models
-    from tangentlens.hooks.sites import Site
-    from tangentlens.probes import run
-
     warnings.simplefilter("ignore")
     bridge, tok = models.load("smollm2-135m")
     gen = torch.Generator().manual_seed(0)
