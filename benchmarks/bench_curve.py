@@ -1,7 +1,8 @@
 """The curve: the probe pass's slope per batch and the fixed costs, as ratios to bare passes.
 
     .venv/bin/python benchmarks/bench_curve.py [--batches 1,4,16,32] [--repeat 2]
-        [--layers all|0,5,10] [--breakdown] [--where] [--head-null N] [--quick]
+        [--layers all|0,5,10] [--breakdown] [--where] [--head-null N] [--driver run]
+        [--quick]
 
 On SmolLM2-135M (30 layers, d = 576) with the default bases of `fit_bases` (rank 16) and
 the four default probes (residual, attention with its head null, gradient,
@@ -23,8 +24,13 @@ weight gradient's fold and its activation energies, the attention split, the gra
 residual updates), each in bare forward+backward passes of those batches, and the rest
 (hooks and the probes' other work). ``--head-null N``: the attention
 probe's null frames (0: none; its default null sees the first `HEAD_NULL_SEQUENCES`
-sequences, a fixed cost that the line puts in the intercept). ``--quick``: layers 0 and 1,
-B in 1, 2, one repeat (a smoke run).
+sequences, a fixed cost that the line puts in the intercept). ``--driver run``: the pass
+is `tangentlens.run` over the batches (its own loop, which takes the gradient with respect
+to the embedding output only, so the backward skips every weight's ``.grad``) instead of
+the caller's ``loss.backward()`` inside `probe`; each repeat then also times B bare passes
+of that kind (``bare act``: the same loss and backward with no parameter requiring a
+gradient), and the pass's slope is given over both bare slopes. ``--quick``: layers 0 and
+1, B in 1, 2, one repeat (a smoke run).
 
 Every figure is the median over repeats with its min–max. Timing on a shared machine is
 noisy: compare ratios from one run, never absolute times across runs; the load average
@@ -48,7 +54,7 @@ from _timing import device_timed
 
 import tangentlens.probes.weight_gradient as wg
 from tangentlens import models
-from tangentlens.probes import fit_bases, lm_loss, probe
+from tangentlens.probes import fit_bases, lm_loss, probe, run
 from tangentlens.probes.attention import AttentionProbe
 from tangentlens.probes.gradient import GradientProbe
 from tangentlens.probes.residual import ResidualProbe
@@ -114,6 +120,12 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="the attention probe's head_null frames (default: the probe's own)",
     )
+    ap.add_argument(
+        "--driver",
+        choices=("probe", "run"),
+        default="probe",
+        help="the pass: loss.backward() inside probe (default), or tangentlens.run",
+    )
     ap.add_argument("--quick", action="store_true", help="layers 0,1; B = 1,2; one repeat")
     return ap
 
@@ -144,6 +156,21 @@ def curve(args: argparse.Namespace, device: str = "cpu", deadline: float | None 
             lm_loss(bridge, ids).backward()
             bridge.zero_grad(set_to_none=True)
 
+    params = [p for p in bridge.parameters() if p.requires_grad]
+
+    def bare_act(batches: list[torch.Tensor]) -> None:
+        """What `run`'s backward computes: the activations' gradients, no weight's."""
+        for p in params:
+            p.requires_grad_(False)
+        hook = bridge.embed.register_forward_hook(lambda m, a, out: out.requires_grad_(True))
+        try:
+            for ids in batches:
+                lm_loss(bridge, ids).backward()
+        finally:
+            hook.remove()
+            for p in params:
+                p.requires_grad_(True)
+
     def bare_fwd(batches: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for ids in batches:
@@ -155,6 +182,14 @@ def curve(args: argparse.Namespace, device: str = "cpu", deadline: float | None 
             if args.head_null is None or "attention" not in names
             else {"head_null": args.head_null}
         )
+        if args.driver == "run":
+            out: list = []
+            t = timed(
+                lambda: out.append(
+                    run(bridge, batches, bases, names, layers=layers, progress=False, **null)
+                )
+            )
+            return out[0], t
         with probe(bridge, bases, names, layers=layers, **null) as session:
             t = timed(lambda: bare_fb(batches))
         return session, t
@@ -171,6 +206,8 @@ def curve(args: argparse.Namespace, device: str = "cpu", deadline: float | None 
             batches = data[:b]
             for label, chosen in names:
                 t_bare = timed(lambda bs=batches: bare_fb(bs))
+                if args.driver == "run" and label == "all":
+                    times.setdefault("bare act", []).append(timed(lambda bs=batches: bare_act(bs)))
                 session, t_pass = session_pass(chosen, batches)
                 times.setdefault(f"bare/{label}", []).append(t_bare)
                 times.setdefault(f"pass/{label}", []).append(t_pass)
@@ -191,7 +228,8 @@ def curve(args: argparse.Namespace, device: str = "cpu", deadline: float | None 
                 ran.append(b)
             print(
                 f"repeat {r} B={b}: bare {times['bare/all'][-1]:.1f} s, "
-                f"pass {times['pass/all'][-1]:.1f} s, "
+                + (f"bare act {times['bare act'][-1]:.1f} s, " if "bare act" in times else "")
+                + f"pass {times['pass/all'][-1]:.1f} s, "
                 f"results {times['results'][-1]:.1f} s, state {nbytes / 2**20:.0f} MiB; "
                 f"fwd {t_fwd:.1f} s, fit_bases {t_fit:.1f} s; load {os.getloadavg()[0]:.1f}",
                 flush=True,
@@ -202,6 +240,11 @@ def curve(args: argparse.Namespace, device: str = "cpu", deadline: float | None 
             own, _ = _line(ran, times[f"bare/{label}"])
             key = "pass slope" if label == "all" else f"{label} alone adds"
             out.setdefault(key, []).append(slope / own - (label != "all"))
+        if args.driver == "run":
+            act_slope, _ = _line(ran, times["bare act"])
+            pass_slope, _ = _line(ran, times["pass/all"])
+            out.setdefault("bare act slope", []).append(act_slope / bare_slope)
+            out.setdefault("pass slope over bare act", []).append(pass_slope / act_slope)
         out.setdefault("results (fixed)", []).append(
             statistics.fmean(times["results"]) / bare_slope
         )
@@ -230,6 +273,7 @@ def curve(args: argparse.Namespace, device: str = "cpu", deadline: float | None 
         print(f"{'the rest (hooks, the probes other work)':>42}: +{rest / t_bare:.2f}")
     print(
         f"\nSmolLM2-135M on {device}, {len(bases)} bases, layers={args.layers}, B={ran}, "
+        f"the pass through {'tangentlens.run' if args.driver == 'run' else 'probe + backward'}, "
         f"{BATCH}x{POS} tokens a batch, repeats={args.repeat}; load average {os.getloadavg()}"
     )
     print("slopes: per batch over the bare slope; fixed: in bare passes (fwd+bwd or fwd)")
