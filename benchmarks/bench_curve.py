@@ -183,13 +183,13 @@ def curve(args: argparse.Namespace, device: str = "cpu", deadline: float | None 
             else {"head_null": args.head_null}
         )
         if args.driver == "run":
-            out: list = []
+            ran_run: list = []
             t = timed(
-                lambda: out.append(
+                lambda: ran_run.append(
                     run(bridge, batches, bases, names, layers=layers, progress=False, **null)
                 )
             )
-            return out[0], t
+            return ran_run[0], t
         with probe(bridge, bases, names, layers=layers, **null) as session:
             t = timed(lambda: bare_fb(batches))
         return session, t
