@@ -32,7 +32,7 @@ from unittest import mock
 import torch
 
 from tangentlens import models
-from tangentlens.core import stats
+from tangentlens.core import stats, weight_grams
 from tangentlens.core.subspace import subspace_overlap
 from tangentlens.probes import fit_bases, run, session, weight_gradient
 
@@ -54,6 +54,7 @@ def _float64_products():
     with (
         mock.patch.object(stats, "gram_dtype", lambda x: torch.float64),
         mock.patch.object(weight_gradient, "gram_dtype", lambda x: torch.float64),
+        mock.patch.object(weight_grams, "gram_dtype", lambda x: torch.float64),
     ):
         yield
 

@@ -63,6 +63,7 @@ PROBES = ("residual", "attention", "gradient", "weight_gradient")
 BATCH, POS = 4, 128
 STEPS = {  # --where: each probe's per-batch step (none calls another)
     "weight_gradient fold (pooled_weight_gram)": (wg, "pooled_weight_gram"),
+    "weight_gradient G Gᵀ of the weights' gradients": (wg.WeightGradientProbe, "_add_weight_gram"),
     "weight_gradient activation energies": (wg.WeightGradientProbe, "update"),
     "attention split (update)": (AttentionProbe, "update"),
     "gradient update_gradient": (GradientProbe, "update_gradient"),

@@ -1,15 +1,17 @@
 """The weight-gradient probe alone, this tree's against a former one, in one process.
 
     .venv/bin/python benchmarks/bench_weight_gradient.py --old 7171fd7 [--layers all]
-        [--batches 2] [--repeat 4] [--tables]
+        [--batches 2] [--shape 4x128] [--repeat 4] [--tables]
 
 On SmolLM2-135M with the default bases of `fit_bases` (rank 16) at the ``attn_in`` and
 ``mlp_in`` sites, each repeat times B bare forward+backward passes, then the same passes
 with this tree's `WeightGradientProbe` and with the one in git revision ``--old`` (loaded
 from its source; the order alternates between repeats): what each adds per batch over
-the bare passes, and the bytes of its state. ``--tables``: instead, the results tables of
-both (1000 controls) against a reference with every product in float64 (`gram_dtype`
-forced to float64), as the largest relative difference per statistic. ``--folds N,...``:
+the bare passes, and the bytes of its state. The passes are a caller's own
+``loss.backward()``, which computes every weight's gradient. ``--tables``: instead, the
+results tables of both (1000 controls) against a reference that folds every pass from X
+and Δ with every product in float64 (`gram_dtype` forced to float64, no weight's gradient
+read), as the largest relative difference per statistic. ``--folds N,...``:
 instead, the fold of one layer alone (both sites, random X and Δ of SmolLM2's shapes) at
 N tokens a pass, the former revision's (each map's `weight_gram`) against this tree's
 (`pooled_weight_gram`), with no model running beside it, on one thread and timed in CPU
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 from _former import former_probe
 
+import tangentlens.core.weight_grams as weight_grams
 import tangentlens.probes.weight_gradient as wg
 from tangentlens import models
 from tangentlens.core.compute import threads
@@ -51,8 +54,9 @@ def _worst(ref, other) -> dict[str, str]:
 
 
 def _folds(old: type, tokens: list[int], repeat: int) -> None:
-    """CPU seconds per layer, on one thread, of the former fold (each map's G Gᵀ) and
-    this tree's."""
+    """CPU seconds per layer, on one thread, of the former fold (each map's G Gᵀ), this
+    tree's fold of X and Δ, and G Gᵀ from the weights' own gradients (as a caller's
+    backward hands them to the probe's weight hooks: (out, in), contiguous)."""
     former = old._fold.__globals__["weight_gram"]
     d, sites = 576, ((576, 192, 192), (1536, 1536))  # attn_in: W_Q, W_K, W_V; mlp_in: gate, up
     gen = torch.Generator().manual_seed(0)
@@ -61,26 +65,31 @@ def _folds(old: type, tokens: list[int], repeat: int) -> None:
         for outs in sites:
             x = torch.randn(n, d, generator=gen) + torch.randn(d, generator=gen)
             data.append((x, [torch.randn(n, o, generator=gen) * 1e-3 for o in outs]))
+        grads = [[(x.T @ t).T.contiguous() for t in ts] for x, ts in data]
         folds = {
             "old": lambda data=data: [sum(former(x, t) for t in ts) for x, ts in data],
-            "new": lambda data=data: [wg.pooled_weight_gram(x, ts) for x, ts in data],
+            "new": lambda data=data: [weight_grams.pooled_weight_gram(x, ts) for x, ts in data],
+            "weights": lambda grads=grads: [
+                sum(weight_grams.gradient_gram(g.T, torch.float32) for g in gs) for gs in grads
+            ],
         }
-        times: dict[str, list[float]] = {"old": [], "new": []}
+        times: dict[str, list[float]] = {name: [] for name in folds}
         with threads(1):
             for r in range(repeat + 1):  # the first round warms up
-                for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                for name in list(folds) if r % 2 == 0 else list(folds)[::-1]:
                     start = time.thread_time()
                     folds[name]()
                     if r:
                         times[name].append(time.thread_time() - start)
         forms = [
-            min(("direct", "token"), key=lambda f, o=outs: wg.fold_flops(n, d, sum(o), f))
+            min(("direct", "token"), key=lambda f, o=outs: weight_grams.fold_flops(n, d, sum(o), f))
             for outs in sites
         ]
-        old_s, new_s = (statistics.median(times[k]) for k in ("old", "new"))
+        old_s, new_s, w_s = (statistics.median(times[k]) for k in folds)
         print(
             f"n = {n}: old {old_s * 1e3:.0f} ms, new {new_s * 1e3:.0f} ms a layer "
-            f"({old_s / new_s:.2f}x; forms {', '.join(forms)}), "
+            f"({old_s / new_s:.2f}x; forms {', '.join(forms)}); from the weights' gradients "
+            f"{w_s * 1e3:.0f} ms ({new_s / w_s:.2f}x faster than new); "
             f"load {os.getloadavg()[0]:.1f}",
             flush=True,
         )
@@ -91,6 +100,7 @@ def main() -> None:
     ap.add_argument("--old", required=True, help="git revision of the former probe")
     ap.add_argument("--layers", default="all")
     ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--shape", default="4x128", help="sequences x tokens of a batch")
     ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--tables", action="store_true")
     ap.add_argument("--folds", default="", help="token counts: time the fold alone")
@@ -109,7 +119,8 @@ def main() -> None:
     layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     gen = torch.Generator().manual_seed(0)
     fit = [torch.randint(0, len(tok), (4, 128), generator=gen) for _ in range(2)]
-    data = [torch.randint(0, len(tok), (4, 128), generator=gen) for _ in range(args.batches)]
+    shape = tuple(int(n) for n in args.shape.split("x"))
+    data = [torch.randint(0, len(tok), shape, generator=gen) for _ in range(args.batches)]
     bases = fit_bases(bridge, fit, rank=16, layers=layers, progress=False)
     inputs = {s: b for s, b in bases.by_site().items() if s.kind in INPUT_KINDS}
 
@@ -128,13 +139,14 @@ def main() -> None:
     if args.tables:
         tables = {}
         for name in ("float64", "old", "new"):
-            keep = wg.gram_dtype
-            if name == "float64":
-                wg.gram_dtype = lambda x: torch.float64
+            keep = wg.gram_dtype, weight_grams.gram_dtype, wg._will_execute
+            if name == "float64":  # every pass folded from X and Δ, every product float64
+                wg.gram_dtype = weight_grams.gram_dtype = lambda x: torch.float64
+                wg._will_execute = None
             try:
                 _, session, _ = probed(kinds.get(name, wg.WeightGradientProbe))
             finally:
-                wg.gram_dtype = keep
+                wg.gram_dtype, weight_grams.gram_dtype, wg._will_execute = keep
             tables[name] = session.results(progress=False)
         for name in ("old", "new"):
             print(

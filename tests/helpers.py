@@ -12,8 +12,9 @@ from tangentlens.hooks.families import unwrap
 
 def hook_counts(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Hooks on every module (and on a bridge's wrapped HF model): torch's forward-pre,
-    forward, backward-pre and backward hooks, plus TL's fwd/bwd handle lists on
-    HookPoints. Hook hygiene means this is identical before and after any probe."""
+    forward, backward-pre and backward hooks, the gradient hooks on its own parameters,
+    plus TL's fwd/bwd handle lists on HookPoints. Hook hygiene means this is identical
+    before and after any probe."""
     roots = [("", model)]
     original = getattr(model, "original_model", None)
     if isinstance(original, nn.Module) and original is not model:
@@ -29,6 +30,7 @@ def hook_counts(model: nn.Module) -> dict[str, tuple[int, ...]]:
             )
             if isinstance(module, HookPoint):
                 row += (len(module.fwd_hooks), len(module.bwd_hooks))
+            row += (sum(len(p._backward_hooks or ()) for p in module.parameters(recurse=False)),)
             counts[prefix + name] = row
     return counts
 

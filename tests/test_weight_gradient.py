@@ -166,6 +166,139 @@ def test_tangent_share_matches_autograd_weight_gradients(kind: str, arch: str) -
     assert len(passes) == 4 and (passes == len(batches)).all()
 
 
+def _folds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the passes folded from X and Δ (`pooled_weight_gram`), not from G."""
+    calls: list[int] = []
+    fold = wg.pooled_weight_gram
+
+    def counted(x: torch.Tensor, deltas: list[torch.Tensor]) -> torch.Tensor:
+        calls.append(len(deltas))
+        return fold(x, deltas)
+
+    monkeypatch.setattr(wg, "pooled_weight_gram", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("kind", "arch", "padded"),
+    [
+        ("tl", "gpt2", False),  # the bridge's q, k, v split from the fused Conv1D
+        ("nnsight", "gpt2", False),  # Conv1D: the weight's gradient is G itself
+        ("tl", "llama", False),
+        ("nnsight", "neox", False),  # fused query_key_value, nn.Linear
+        ("nnsight", "bert", False),
+        ("tl", "llama", True),
+    ],
+)
+def test_a_user_backward_gives_g_from_the_weights(
+    kind: str, arch: str, padded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Around a user's ``loss.backward()`` the weights' own gradients are G: the probe
+    reads S from them (no fold of X and Δ) and matches autograd's ``.grad``, which it
+    leaves as the unprobed backward makes them. A padded batch folds X and Δ over the
+    kept positions instead (the weight's gradient sums over the padded ones too)."""
+    model = _model(kind, arch)
+    if padded:
+        batches = _batches(arch)
+    else:
+        batches = [
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            for ids in (tokens(arch, 3, 12, seed=s) for s in range(3))
+        ]
+    bases = _input_bases(model, batches)
+    expected = _autograd_matrices(kind, arch, model, batches)
+    module = _torch_module(model)
+    plain = {n: p.grad for n, p in module.named_parameters()}  # after the last batch
+    folds = _folds(monkeypatch)
+    with probe(model, bases, PROBE, n_controls=10) as session:
+        for batch in batches:
+            module.zero_grad(set_to_none=True)
+            _loss(arch)(model, batch).backward()
+    probed = {n: p.grad for n, p in module.named_parameters()}
+    assert all(torch.equal(plain[n], probed[n]) for n in plain if plain[n] is not None)
+    module.zero_grad(set_to_none=True)
+    assert (len(folds) > 0) == padded
+    probe_ = session.probes["weight_gradient"]
+    for site, s in probe_.matrices().items():
+        error = float((s - expected[site]).norm() / expected[site].norm())
+        assert error < (1e-5 if padded else 1e-6), (site, error)
+    passes = session.results().query("statistic == 'n_passes'")["value"]
+    assert len(passes) == 4 and (passes == len(batches)).all()
+
+
+def test_weights_serve_one_pass_per_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two forwards under one backward give each weight G_1 + G_2: both passes fold X and
+    Δ, so S is still Σ_pass G Gᵀ. Without ``zero_grad`` between passes the hook reads
+    each backward's own gradient, not ``.grad``'s running sum; a frozen map (W_K) folds
+    X and Δ beside the others' G."""
+    gen = torch.Generator().manual_seed(1)
+    d = 6
+    maps, p, handles = _maps_probe(d)
+    site, folds = Site(0, "attn_in"), _folds(monkeypatch)
+    xs = [torch.randn(2, 5, d, generator=gen) + 2 for _ in range(4)]
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = maps(x)
+        return q.square().sum() + (k * v).sum()
+
+    def per_pass(x: torch.Tensor) -> torch.Tensor:
+        grads = torch.autograd.grad(loss(x), [m.weight for m in (maps.q, maps.k, maps.v)])
+        return sum(g.double().T @ g.double() for g in grads)
+
+    try:
+        want = sum(per_pass(x) for x in xs)  # `autograd.grad`: folded, then forgotten
+        p.reset()
+        folds.clear()
+        (loss(xs[0]) + loss(xs[1])).backward()
+        assert len(folds) == 2  # one fold per pass, each with its three Δ
+        loss(xs[2]).backward()
+        loss(xs[3]).backward()  # .grad accumulates; the hooks see each backward alone
+        assert len(folds) == 2
+        torch.testing.assert_close(p.matrices()[site], want, rtol=1e-6, atol=0)
+        assert float(p.state(f"passes/{site.hook_name}").value) == 4
+
+        maps.k.weight.requires_grad_(False)
+        p.reset()
+        x = xs[0].clone().requires_grad_()  # so W_K's output still gets its Δ
+        loss(x).backward()
+        assert folds[-1] == 1  # W_K's Δ alone; W_Q's and W_V's G from their weights
+        got = p.matrices()[site]  # before the reference's passes reach the hooks
+        q, k, v = maps(x)
+        delta_k = torch.autograd.grad(q.sum() + (k * v).sum(), k)[0].reshape(-1, 4).double()
+        g_k = x.detach().reshape(-1, d).double().T @ delta_k
+        grads = torch.autograd.grad(loss(x), [maps.q.weight, maps.v.weight])
+        want = sum(g.double().T @ g.double() for g in grads) + g_k @ g_k.T
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    finally:
+        for handle in handles:
+            handle.remove()
+        maps.k.weight.requires_grad_(True)
+    assert all(not m.weight._backward_hooks for m in (maps.q, maps.k, maps.v))
+
+
+@pytest.mark.parametrize(("tokens_", "folded"), [(3, True), (200, False)])
+def test_the_cheaper_of_weights_and_fold(
+    tokens_: int, folded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass of few tokens against d folds X and Δ (`fold_flops`: the token Gram is
+    cheaper than the weights' d × d Grams); a long one reads the weights' gradients.
+    Either way S is the weights' Σ G Gᵀ."""
+    gen = torch.Generator().manual_seed(2)
+    d = 64
+    maps, p, handles = _maps_probe(d)
+    folds = _folds(monkeypatch)
+    try:
+        q, k, v = maps(torch.randn(1, tokens_, d, generator=gen) + 1)
+        (q.square().sum() + (k * v).sum()).backward()
+        got = p.matrices()[Site(0, "attn_in")]
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert (len(folds) == 1) == folded
+    want = sum(m.weight.grad.double().T @ m.weight.grad.double() for m in (maps.q, maps.k, maps.v))
+    assert float((got - want).norm() / want.norm()) < 1e-6
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_closed_forms(arch: str) -> None:
     """energy_ratio is the closed form of the share; normalized_ratio divides by the same

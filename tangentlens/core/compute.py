@@ -120,11 +120,16 @@ def _blas_syrk(blocks: Sequence[Tensor]) -> Tensor:
     c = None
     with _blas().limit(limits=1, user_api="blas"):
         for a in blocks:
-            rows = a.contiguous().numpy().T  # Fortran (k, n): its transpose's product
-            if c is None:
-                c = update(1.0, rows, trans=1)
+            # BLAS wants Fortran order: A itself (a transposed view, as of a weight's
+            # gradient, is one without a copy) or Aᵀ's buffer with its transpose's product
+            if a.T.is_contiguous():
+                rows, trans = a.T.numpy().T, 0
             else:
-                c = update(1.0, rows, beta=1.0, c=c, trans=1, overwrite_c=1)
+                rows, trans = a.contiguous().numpy().T, 1
+            if c is None:
+                c = update(1.0, rows, trans=trans)
+            else:
+                c = update(1.0, rows, beta=1.0, c=c, trans=trans, overwrite_c=1)
     return torch.from_numpy(c)
 
 

@@ -40,10 +40,18 @@ keeps the detached input once per site and pass and hooks each map's output tens
 every map of the pass has its Δ, they are folded and the input dropped. A map a backward
 does not reach sends none: the pass is then folded with the Δ it has at the next forward
 through the site, or when the state is read, and a Δ arriving after that alone, so no
-pass is lost or counted twice. No parameter's ``.grad`` is read or written, so it works
-inside `run` (gradients with respect to the embedding output only) and around a user's
-``loss.backward()``. Padded positions are dropped from X (Δ is zero there anyway). Run one
-backward per forward pass.
+pass is lost or counted twice. Padded positions are dropped from X (Δ is zero there
+anyway). Run one backward per forward pass.
+
+A backward that computes the weights' own gradients (a caller's ``loss.backward()`` on
+trainable weights) has already formed every G: a gradient hook on each ``nn.Linear`` or
+``Conv1D`` weight reads this backward's gradient (never ``.grad``, which it neither reads
+nor writes) and adds G Gᵀ (`gradient_gram`), so that map's Δ needs no product with X.
+Whether the backward computes a weight's gradient is asked of the autograd engine at the
+Δ's hook. The weight's gradient sums over every use of the weight in the backward, so it
+stands for a pass only when the pass is the only one waiting for it and keeps every
+position; otherwise (two forwards under one backward, padding, `run`'s backward with
+respect to the embedding output, frozen weights) the pass folds X and Δ as above.
 """
 
 from __future__ import annotations
@@ -55,14 +63,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.compute import syrk
 from ..core.errors import UsageError
 from ..core.settings import N_CONTROLS
 from ..core.significance import energy_ratio, matrix_tests
-from ..core.stats import Moments, gram_dtype, state_dtype, unit_scale
+from ..core.stats import Moments, gram_dtype, state_dtype
 from ..core.subspace import TangentBasis, tangent_share
 from ..core.uncertainty import jackknife_interval
 from ..core.validation import check_int
+from ..core.weight_grams import (
+    fold_flops,
+    gradient_gram,
+    input_gradient,
+    pooled_weight_gram,
+    weight_gram,
+)
 from ..hooks.base import Backend, Handle, ModuleHandle
 from ..hooks.sites import INPUT_KINDS, Site
 from .base import MomentProbe, Observation, Probe, Sum, ci_columns, row, sites_bar
@@ -82,15 +96,24 @@ __all__ = [
 
 class _Pass:
     """One forward pass through the maps that read a site: their shared input, which maps
-    ran (``hooked``) and which of them have sent their Δ (``received``)."""
+    ran (``hooked``), which of them have sent their Δ (``received``), and of those the
+    maps whose weight's own gradient this backward computes (``expect``, `_reads_weight`)."""
 
     def __init__(self, site: Site, x: Tensor, mask: Tensor | None, group: int) -> None:
         self.site, self.x, self.mask, self.group = site, x, mask, group
         self.hooked: set[int] = set()
         self.received: set[int] = set()
-        self.deltas: list[Tensor] = []
+        self.deltas: dict[int, Tensor] = {}
+        self.nodes: dict[int, Any] = {}  # map → its weight's AccumulateGrad node
+        self.outs: dict[int, int] = {}  # map → its output width
+        self.expect: set[int] = set()
+        self.gram: Tensor | None = None  # Σ G_mG_mᵀ of the maps whose weight sent G_m
         self.flushed = False  # folded: a Δ still to come is folded on its own
         self.counted = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.received) == len(self.hooked) and not self.expect
 
 
 def _same_input(a: Tensor, b: Tensor) -> bool:
@@ -144,6 +167,7 @@ class WeightGradientProbe(MomentProbe):
         self._masks: dict[Site, tuple[Tensor | None, int]] = {}
         self._open: dict[Site, weakref.ref[_Pass]] = {}
         self._waiting: list[_Pass] = []
+        self._expecting: dict[tuple[Site, int], list[_Pass]] = {}
         self._q: dict[tuple[Site, torch.device], Tensor] = {}
         for site in self.sites:
             d = self.bases[site].d if site in self.bases else width
@@ -166,19 +190,23 @@ class WeightGradientProbe(MomentProbe):
         return True
 
     def attach(self, backend: Backend) -> list[Handle]:
-        """A forward hook on every linear map that reads a site (it hooks the outputs)."""
+        """A forward hook on every linear map that reads a site (it hooks the outputs),
+        and a gradient hook on its weight where G can be read from it (`_gradient_weight`)."""
         handles: list[Handle] = []
         try:
             for site in self.sites:
                 for i, (_, module) in enumerate(backend.input_linears(site)):
-                    handles.append(self._hook(site, module, i))
+                    weighted = _gradient_weight(module) is not None
+                    if weighted:
+                        handles.append(self._weight_hook(site, module, i))
+                    handles.append(self._hook(site, module, i, weighted))
         except BaseException:
             for handle in handles:
                 handle.remove()
             raise
         return handles
 
-    def _hook(self, site: Site, module: nn.Module, index: int) -> ModuleHandle:
+    def _hook(self, site: Site, module: nn.Module, index: int, weighted: bool) -> ModuleHandle:
         handle: ModuleHandle
 
         def forward_hook(mod: nn.Module, args: tuple, output: Any) -> None:
@@ -186,7 +214,10 @@ class WeightGradientProbe(MomentProbe):
                 torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad
             ):
                 return
-            pending = self._pass_of(site, index, args[0].detach())
+            pending = self._pass_of(site, index, args[0].detach(), output.shape[-1])
+            weight = _gradient_weight(module) if weighted else None
+            if weight is not None:  # its gradient's own node, for `_reads_weight`
+                pending.nodes[index] = weight.view_as(weight).grad_fn.next_functions[0][0]
 
             def on_grad(delta: Tensor) -> None:
                 self._receive(pending, index, delta)
@@ -196,7 +227,32 @@ class WeightGradientProbe(MomentProbe):
         handle = ModuleHandle(module.register_forward_hook(forward_hook))
         return handle
 
-    def _pass_of(self, site: Site, index: int, x: Tensor) -> _Pass:
+    def _weight_hook(self, site: Site, module: nn.Module, index: int) -> Handle:
+        """A hook on the map's weight: its gradient of this backward (before it joins
+        ``.grad``) is Δᵀ X, or G = XᵀΔ itself for GPT-2's ``Conv1D``, so G Gᵀ needs no
+        product of X and Δ. It serves one pass only: the weight's gradient of a backward
+        through two forwards is G_1 + G_2, so those passes fold their Δ instead."""
+        transposed, weight = _is_conv1d(module), module.weight
+
+        def on_weight_grad(grad: Tensor) -> None:
+            passes = self._expecting.pop((site, index), [])
+            g = (grad if transposed else grad.T) if len(passes) == 1 else None
+            for pending in passes:
+                pending.expect.discard(index)
+                if g is not None and g.shape[0] == pending.x.shape[-1]:
+                    self._add_weight_gram(pending, index, g)
+                if pending.complete:
+                    self._close(pending)
+
+        return weight.register_hook(on_weight_grad)
+
+    def _add_weight_gram(self, pending: _Pass, index: int, g: Tensor) -> None:
+        """Map ``index``'s G Gᵀ from its weight's gradient G, in place of its Δ."""
+        gram = gradient_gram(g, gram_dtype(g))
+        pending.gram = gram if pending.gram is None else pending.gram.add_(gram)
+        del pending.deltas[index]
+
+    def _pass_of(self, site: Site, index: int, x: Tensor, out: int) -> _Pass:
         """The pass map ``index`` of ``site`` joins: the site's open one, unless this map
         already ran in it (a new forward: the site's passes still short of a Δ are folded
         first, their backward being over) or reads another input."""
@@ -209,6 +265,7 @@ class WeightGradientProbe(MomentProbe):
             # frees it with its input
             self._open[site] = weakref.ref(pending)
         pending.hooked.add(index)
+        pending.outs[index] = out
         return pending
 
     def _receive(self, pending: _Pass, index: int, delta: Tensor) -> None:
@@ -221,23 +278,34 @@ class WeightGradientProbe(MomentProbe):
         if pending.flushed:
             self._fold(pending, [delta])
         else:
-            pending.deltas.append(delta)
-            if len(pending.received) == len(pending.hooked):
+            pending.deltas[index] = delta
+            if _reads_weight(pending, index):
+                pending.expect.add(index)
+                self._expecting.setdefault((pending.site, index), []).append(pending)
+            if pending.complete:
                 self._close(pending)
-            elif len(pending.deltas) == 1:
+            elif pending not in self._waiting:
                 self._waiting.append(pending)  # folded by `_flush` if the rest never come
-        if len(pending.received) == len(pending.hooked):
+        if pending.flushed and len(pending.received) == len(pending.hooked):
             pending.x = pending.x.new_empty(0)  # every map is in: its input is not needed
 
     def _close(self, pending: _Pass) -> None:
+        """Fold what a pass has: the G Gᵀ of the weights that sent G, and X with the Δ of
+        the other maps (also those whose weight's gradient never came)."""
         if pending.flushed:
             return
         pending.flushed = True
-        deltas, pending.deltas = pending.deltas, []
+        deltas, pending.deltas = list(pending.deltas.values()), {}
+        for index in pending.expect:
+            self._expecting[(pending.site, index)].remove(pending)
+        pending.expect.clear()
         if pending in self._waiting:
             self._waiting.remove(pending)
-        if deltas:
-            self._fold(pending, deltas)
+        if deltas or pending.gram is not None:
+            self._fold(pending, deltas, pending.gram)
+            pending.gram = None
+        if len(pending.received) == len(pending.hooked):
+            pending.x = pending.x.new_empty(0)
 
     def _flush(self, site: Site | None = None) -> None:
         """Fold the passes (of ``site``, or all) that got the Δ of some of their maps and
@@ -245,19 +313,22 @@ class WeightGradientProbe(MomentProbe):
         for pending in [p for p in self._waiting if site is None or p.site == site]:
             self._close(pending)
 
-    def _fold(self, pending: _Pass, deltas: list[Tensor]) -> None:
-        """S += Σ_m G_mG_mᵀ with G_m = XᵀΔ_m over the kept positions (`pooled_weight_gram`),
-        into float64 (or ``memory="compact"``: float32) state; with a basis, the group's
-        two energies tr(Q_TᵀS_bQ_T) and tr(S_b) into its row. The first fold of a pass
-        counts it."""
+    def _fold(self, pending: _Pass, deltas: list[Tensor], gram: Tensor | None = None) -> None:
+        """S += ``gram`` (the weights' own G Gᵀ) + Σ_m G_mG_mᵀ with G_m = XᵀΔ_m over the
+        kept positions (`pooled_weight_gram`), into float64 (or ``memory="compact"``:
+        float32) state; with a basis, the group's two energies tr(Q_TᵀS_bQ_T) and tr(S_b)
+        into its row. The first fold of a pass counts it."""
         site, group, states = pending.site, pending.group, self._states
         with torch.no_grad():
-            x = pending.x.reshape(-1, pending.x.shape[-1])
-            deltas = [t.reshape(-1, t.shape[-1]).to(x.device) for t in deltas]
-            if pending.mask is not None:
-                keep = pending.mask.reshape(-1).to(x.device)
-                x, deltas = x[keep], [t[keep] for t in deltas]
-            s = pooled_weight_gram(x, deltas)
+            parts = [] if gram is None else [gram]
+            if deltas:
+                x = pending.x.reshape(-1, pending.x.shape[-1])
+                deltas = [t.reshape(-1, t.shape[-1]).to(x.device) for t in deltas]
+                if pending.mask is not None:
+                    keep = pending.mask.reshape(-1).to(x.device)
+                    x, deltas = x[keep], [t[keep] for t in deltas]
+                parts.append(pooled_weight_gram(x, deltas))
+            s = parts[0] if len(parts) == 1 else parts[0].add_(parts[1])
             name = site.hook_name
             if site in self.bases:
                 states[f"wgrad/{name}"].add(s)
@@ -296,9 +367,11 @@ class WeightGradientProbe(MomentProbe):
 
     def reset(self) -> None:
         for pending in self._waiting:  # forgotten, with the Δ still to come
-            pending.flushed, pending.deltas = True, []
+            pending.flushed, pending.deltas, pending.gram = True, {}, None
             pending.received |= pending.hooked
+            pending.expect.clear()
         self._waiting.clear()
+        self._expecting.clear()
         super().reset()
 
     def saw_backward(self) -> bool:
@@ -388,100 +461,47 @@ class WeightGradientProbe(MomentProbe):
         return out
 
 
-def input_gradient(x: Tensor, delta: Tensor) -> Tensor:
-    """G = XᵀΔ (d_in × out) in float64, the product formed in `stats.gram_dtype`: X about
-    its mean rounded to float32, G = (X − 1cᵀ)ᵀΔ + c·(1ᵀΔ) with the rank-one part in
-    float64, Δ scaled by an exact power of two (`stats.unit_scale`)."""
-    work = gram_dtype(x)
-    if work == torch.float64:
-        return x.to(torch.float64).T @ delta.to(torch.float64)
-    centre = (x.sum(0, dtype=torch.float64) / max(x.shape[0], 1)).to(work)
-    scale = unit_scale(delta)
-    g = ((x.to(work) - centre).T @ (delta.to(work) * scale)).to(torch.float64)
-    g /= scale.to(torch.float64)
-    return g + torch.outer(centre.to(torch.float64), delta.sum(0, dtype=torch.float64))
+def _is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` computes x @ W with W (in, out): its weight's gradient is G."""
+    return type(module).__name__ == "Conv1D"
 
 
-def weight_gram(x: Tensor, delta: Tensor) -> Tensor:
-    """G Gᵀ (d_in × d_in, float64) of one map's weight gradient G = XᵀΔ (`input_gradient`),
-    the product formed in `stats.gram_dtype` of ``x``: in float32, G is scaled by an exact
-    power of two (`stats.unit_scale`) and rounded once, the product read back in float64."""
-    g = input_gradient(x, delta)
-    if gram_dtype(x) == torch.float64:
-        return g @ g.T
-    scale = unit_scale(g)
-    g32 = (g * scale).to(torch.float32)
-    return (g32 @ g32.T).to(torch.float64) / scale.to(torch.float64) ** 2
+def _gradient_weight(module: nn.Module) -> nn.Parameter | None:
+    """``module``'s weight where its gradient is the map's G (or Gᵀ): an ``nn.Linear``'s
+    or ``Conv1D``'s float32/float64 leaf that requires a gradient; else None (the passes
+    fold X and Δ)."""
+    weight = getattr(module, "weight", None)
+    if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+        return None
+    if not (isinstance(weight, nn.Parameter) and weight.requires_grad and weight.is_leaf):
+        return None
+    return weight if weight.dtype in (torch.float32, torch.float64) else None
 
 
-def fold_flops(n: int, d: int, outs: int, form: str) -> int:
-    """Flops of Σ_m G_mG_mᵀ for ``n`` tokens, ``d`` inputs and ``outs`` = Σ_m out_m
-    outputs, each symmetric product counted at one triangle's flops (as BLAS ``?syrk``
-    spends them; torch's product spends twice as many, in less time on two threads):
-    "direct" forms each G_m = XᵀΔ_m and their Gram, "token" the token Gram
-    K = Σ_m Δ_mΔ_mᵀ and XᵀKX. Which is cheaper turns on n against d."""
-    if form == "direct":
-        return 2 * n * d * outs + d * d * outs
-    return n * n * outs + 2 * n * n * d + 2 * n * d * d
+# whether the running backward computes a node (a graph task's own pruning, which
+# `torch.autograd.graph.register_multi_grad_hook` reads too)
+_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
 
 
-def pooled_weight_gram(x: Tensor, deltas: Sequence[Tensor], form: str = "auto") -> Tensor:
-    """Σ_m G_mG_mᵀ (d_in × d_in, float64), G_m = XᵀΔ_m, over maps that read the same
-    ``x`` (n × d_in), in the cheaper ``form`` of `fold_flops` ("auto"), or the one named.
-    In `stats.gram_dtype` float32 both forms work about X's mean c rounded to float32,
-    X = X̃ + 1cᵀ, with every Δ_m scaled by one exact power of two (`stats.unit_scale`):
-
-    - "direct": each G_m = X̃ᵀΔ_m + c s_mᵀ (s_m its column sums, in float64), scaled and
-      rounded once as `weight_gram` rounds it, G_mG_mᵀ (`compute.syrk`) read back map by
-      map (one float32 sum over every map's columns rounds several times more);
-    - "token": S = X̃ᵀKX̃ + w cᵀ + c wᵀ + ‖s‖² ccᵀ with K = Σ_m Δ_mΔ_mᵀ (`compute.syrk`),
-      u = K·1 = Σ_m Δ_m s_m and w = X̃ᵀu; X̃ scaled too, so X̃ᵀKX̃ stays in range.
-
-    Each is read back into float64; in float64 (no IEEE float32 matmul) the same forms
-    run unscaled."""
-    if form == "auto":
-        n, d = x.shape
-        outs = sum(delta.shape[-1] for delta in deltas)
-        cheaper = fold_flops(n, d, outs, "token") < fold_flops(n, d, outs, "direct")
-        form = "token" if cheaper else "direct"
-    if form not in ("direct", "token"):
-        raise UsageError(f"form must be 'auto', 'direct' or 'token'; got {form!r}.")
-    work = gram_dtype(x)
-    if x.shape[0] == 0:
-        return torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
-    if work == torch.float64:
-        x64, d64 = x.to(torch.float64), [delta.to(torch.float64) for delta in deltas]
-        if form == "direct":
-            return syrk([torch.cat([x64.T @ delta for delta in d64], 1)])
-        s = x64.T @ (syrk(d64) @ x64)
-        return (s + s.T) / 2
-    centre = (x.sum(0, dtype=torch.float64) / x.shape[0]).to(work)
-    c = centre.to(torch.float64)
-    scale = unit_scale(*deltas)
-    scaled = [delta.to(work) * scale for delta in deltas]
-    sums = torch.cat([delta.sum(0, dtype=torch.float64) for delta in scaled])
-    widths = [delta.shape[1] for delta in scaled]
-    x_c = x.to(work) - centre
-    if form == "direct":
-        s = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
-        for delta, s_m in zip(scaled, sums.split(widths), strict=True):
-            g = (x_c.T @ delta).to(torch.float64).addr_(c, s_m)
-            g_scale = unit_scale(g)
-            gram = syrk([g.mul_(g_scale).to(work)]).to(torch.float64)
-            s += gram.mul_(g_scale.to(torch.float64) ** -2)  # exact: a power of two
-        return s.mul_(scale.to(torch.float64) ** -2)
-    x_scale = unit_scale(x_c)
-    x_c *= x_scale
-    k = syrk(scaled)
-    u = torch.zeros(x.shape[0], dtype=work, device=x.device)
-    for delta, s_m in zip(scaled, sums.split(widths), strict=True):
-        u.addmv_(delta, s_m.to(work))
-    # in X̃'s scaled frame (c and w times x_scale, exact): m = A + 2 c wᵀ + ‖s‖² ccᵀ in
-    # place, then (m + mᵀ)/2, symmetric bit for bit, unscaled by powers of two
-    c_x = c * x_scale.to(torch.float64)
-    m = (x_c.T @ (k @ x_c)).to(torch.float64)
-    m.addr_(c_x, (x_c.T @ u).to(torch.float64), alpha=2).addr_(c_x * (sums @ sums), c_x)
-    return (m + m.T).mul_((x_scale.to(torch.float64) * scale.to(torch.float64)) ** -2 / 2)
+def _reads_weight(pending: _Pass, index: int) -> bool:
+    """Whether map ``index`` of the pass gets its G from its weight's gradient hook: the
+    running backward computes that weight's gradient (not `run`'s, which takes the
+    embedding output's only; not on frozen weights), the pass keeps every position (the
+    weight's gradient sums over padded ones too), and G Gᵀ of the pass's maps takes fewer
+    flops than folding X and Δ (`fold_flops`: not for a pass of few tokens against d)."""
+    node = pending.nodes.get(index)
+    if node is None or _will_execute is None:
+        return False
+    try:
+        computed = _will_execute(node)
+    except RuntimeError:  # inside `torch.autograd.grad`, which accumulates no leaf
+        return False
+    if not computed or not (pending.mask is None or bool(pending.mask.all())):
+        return False
+    d = pending.x.shape[-1]
+    n, outs = pending.x.numel() // d, sum(pending.outs.values())
+    fold = min(fold_flops(n, d, outs, form) for form in ("direct", "token"))
+    return fold_flops(n, d, outs, "weights") < fold
 
 
 def energy_intervals(
