@@ -276,6 +276,25 @@ def test_weights_serve_one_pass_per_backward(monkeypatch: pytest.MonkeyPatch) ->
     assert all(not m.weight._backward_hooks for m in (maps.q, maps.k, maps.v))
 
 
+def test_a_padded_and_a_whole_pass_under_one_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A padded pass never reads its weights, yet its Δ is in their gradient: a whole pass
+    backpropagated with it folds X and Δ too, so neither counts the other's G."""
+    arch = "llama"
+    model = tl_bridge(arch)
+    padded = padded_batch(arch, batch=3, pos=12, seed=0)
+    ids = tokens(arch, 3, 12, seed=1)
+    whole = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    bases = _input_bases(model, [padded, whole])
+    expected = _autograd_matrices("tl", arch, model, [padded, whole])
+    folds = _folds(monkeypatch)
+    with probe(model, bases, PROBE, n_controls=10) as session:
+        (lm_loss(model, padded) + lm_loss(model, whole)).backward()
+    model.zero_grad(set_to_none=True)
+    assert len(folds) == 2 * len(bases)  # each site's two passes, from X and Δ
+    for site, s in session.probes["weight_gradient"].matrices().items():
+        assert float((s - expected[site]).norm() / expected[site].norm()) < 1e-5, site
+
+
 @pytest.mark.parametrize(("tokens_", "folded"), [(3, True), (200, False)])
 def test_the_cheaper_of_weights_and_fold(
     tokens_: int, folded: bool, monkeypatch: pytest.MonkeyPatch

@@ -49,9 +49,12 @@ trainable weights) has already formed every G: a gradient hook on each ``nn.Line
 nor writes) and adds G Gᵀ (`gradient_gram`), so that map's Δ needs no product with X.
 Whether the backward computes a weight's gradient is asked of the autograd engine at the
 Δ's hook. The weight's gradient sums over every use of the weight in the backward, so it
-stands for a pass only when the pass is the only one waiting for it and keeps every
-position; otherwise (two forwards under one backward, padding, `run`'s backward with
-respect to the embedding output, frozen weights) the pass folds X and Δ as above.
+stands for a pass only when that pass sent the one Δ of the weight the backward carried,
+kept every position and `fold_flops` counts it cheaper; otherwise (two forwards under one
+backward, a weight two sites share, padding, `run`'s backward with respect to the
+embedding output, frozen weights, few tokens) the pass folds X and Δ as above. A use of
+the weight outside its module (an intervention multiplying by it) is not seen: keep such
+a weight out of the graph, or its G Gᵀ will hold that use's gradient too.
 """
 
 from __future__ import annotations
@@ -97,14 +100,14 @@ __all__ = [
 class _Pass:
     """One forward pass through the maps that read a site: their shared input, which maps
     ran (``hooked``), which of them have sent their Δ (``received``), and of those the
-    maps whose weight's own gradient this backward computes (``expect``, `_reads_weight`)."""
+    maps whose G comes from their weight's gradient (``expect``, `_weight_pays`)."""
 
     def __init__(self, site: Site, x: Tensor, mask: Tensor | None, group: int) -> None:
         self.site, self.x, self.mask, self.group = site, x, mask, group
         self.hooked: set[int] = set()
         self.received: set[int] = set()
         self.deltas: dict[int, Tensor] = {}
-        self.nodes: dict[int, Any] = {}  # map → its weight's AccumulateGrad node
+        self.weights: dict[int, tuple[Tensor, Any]] = {}  # map → weight, its grad's node
         self.outs: dict[int, int] = {}  # map → its output width
         self.expect: set[int] = set()
         self.gram: Tensor | None = None  # Σ G_mG_mᵀ of the maps whose weight sent G_m
@@ -168,6 +171,7 @@ class WeightGradientProbe(MomentProbe):
         self._open: dict[Site, weakref.ref[_Pass]] = {}
         self._waiting: list[_Pass] = []
         self._expecting: dict[tuple[Site, int], list[_Pass]] = {}
+        self._uses: dict[int, int] = {}  # id(weight) → Δ of it in the running backward
         self._q: dict[tuple[Site, torch.device], Tensor] = {}
         for site in self.sites:
             d = self.bases[site].d if site in self.bases else width
@@ -216,8 +220,9 @@ class WeightGradientProbe(MomentProbe):
                 return
             pending = self._pass_of(site, index, args[0].detach(), output.shape[-1])
             weight = _gradient_weight(module) if weighted else None
-            if weight is not None:  # its gradient's own node, for `_reads_weight`
-                pending.nodes[index] = weight.view_as(weight).grad_fn.next_functions[0][0]
+            if weight is not None:  # with its gradient's own node, for `_computes_weight`
+                node = weight.view_as(weight).grad_fn.next_functions[0][0]
+                pending.weights[index] = (weight, node)
 
             def on_grad(delta: Tensor) -> None:
                 self._receive(pending, index, delta)
@@ -230,16 +235,18 @@ class WeightGradientProbe(MomentProbe):
     def _weight_hook(self, site: Site, module: nn.Module, index: int) -> Handle:
         """A hook on the map's weight: its gradient of this backward (before it joins
         ``.grad``) is Δᵀ X, or G = XᵀΔ itself for GPT-2's ``Conv1D``, so G Gᵀ needs no
-        product of X and Δ. It serves one pass only: the weight's gradient of a backward
-        through two forwards is G_1 + G_2, so those passes fold their Δ instead."""
+        product of X and Δ. It stands for one pass only when that pass sent the one Δ of
+        this weight in the backward (``_uses``): through two forwards, or a weight two
+        sites share, it is G_1 + G_2, and those passes fold their Δ instead."""
         transposed, weight = _is_conv1d(module), module.weight
 
         def on_weight_grad(grad: Tensor) -> None:
+            alone = self._uses.pop(id(weight), 0) == 1
             passes = self._expecting.pop((site, index), [])
-            g = (grad if transposed else grad.T) if len(passes) == 1 else None
+            g = (grad if transposed else grad.T) if alone and len(passes) == 1 else None
             for pending in passes:
                 pending.expect.discard(index)
-                if g is not None and g.shape[0] == pending.x.shape[-1]:
+                if g is not None and g.shape == (pending.x.shape[-1], pending.outs[index]):
                     self._add_weight_gram(pending, index, g)
                 if pending.complete:
                     self._close(pending)
@@ -275,11 +282,15 @@ class WeightGradientProbe(MomentProbe):
             return
         pending.received.add(index)
         delta = delta.detach()
+        computes = _computes_weight(pending, index)
+        if computes:  # this Δ is part of the weight's gradient this backward forms
+            key = id(pending.weights[index][0])
+            self._uses[key] = self._uses.get(key, 0) + 1
         if pending.flushed:
             self._fold(pending, [delta])
         else:
             pending.deltas[index] = delta
-            if _reads_weight(pending, index):
+            if computes and _weight_pays(pending):
                 pending.expect.add(index)
                 self._expecting.setdefault((pending.site, index), []).append(pending)
             if pending.complete:
@@ -372,6 +383,7 @@ class WeightGradientProbe(MomentProbe):
             pending.expect.clear()
         self._waiting.clear()
         self._expecting.clear()
+        self._uses.clear()
         super().reset()
 
     def saw_backward(self) -> bool:
@@ -483,20 +495,23 @@ def _gradient_weight(module: nn.Module) -> nn.Parameter | None:
 _will_execute = getattr(torch._C, "_will_engine_execute_node", None)
 
 
-def _reads_weight(pending: _Pass, index: int) -> bool:
-    """Whether map ``index`` of the pass gets its G from its weight's gradient hook: the
-    running backward computes that weight's gradient (not `run`'s, which takes the
-    embedding output's only; not on frozen weights), the pass keeps every position (the
-    weight's gradient sums over padded ones too), and G Gᵀ of the pass's maps takes fewer
-    flops than folding X and Δ (`fold_flops`: not for a pass of few tokens against d)."""
-    node = pending.nodes.get(index)
-    if node is None or _will_execute is None:
+def _computes_weight(pending: _Pass, index: int) -> bool:
+    """Whether the running backward computes the gradient of map ``index``'s weight (not
+    `run`'s, which takes the embedding output's only; not on frozen weights)."""
+    weight = pending.weights.get(index)
+    if weight is None or _will_execute is None:
         return False
     try:
-        computed = _will_execute(node)
+        return bool(_will_execute(weight[1]))
     except RuntimeError:  # inside `torch.autograd.grad`, which accumulates no leaf
         return False
-    if not computed or not (pending.mask is None or bool(pending.mask.all())):
+
+
+def _weight_pays(pending: _Pass) -> bool:
+    """Whether the pass reads G from its weights' gradients: it keeps every position (the
+    weight's gradient sums over padded ones too), and G Gᵀ of its maps takes fewer flops
+    than folding X and Δ (`fold_flops`: not for a pass of few tokens against d)."""
+    if not (pending.mask is None or bool(pending.mask.all())):
         return False
     d = pending.x.shape[-1]
     n, outs = pending.x.numel() // d, sum(pending.outs.values())
