@@ -7,8 +7,9 @@ No model: Σ A Aᵀ at the shapes of SmolLM2-135M's fold at 4 × 128 tokens a pa
 Gram K at ``mlp_in`` and ``attn_in``, G_mG_mᵀ of W_Q and of a gate map), on one torch
 thread and on two, both interleaved; the median milliseconds per call with min–max.
 ``--model``: then, with all 30 layers and all four default probes (head null off), two
-batches of 4 × 128 tokens a pass, the seconds spent in `pooled_weight_gram` with each and
-the pass over the bare forward+backward, interleaved per repeat (4 repeats).
+batches of 4 × 128 tokens a pass, every pass folded from X and Δ (the weights' own
+gradients left unread), the seconds spent in `pooled_weight_gram` with each and the pass
+over the bare forward+backward, interleaved per repeat (4 repeats).
 Timing on a shared machine is noisy: read the ratios of one run; the load average is
 printed.
 """
@@ -28,6 +29,7 @@ from _timing import timed
 from bench_curve import STEPS, _timers
 from torch import Tensor
 
+import tangentlens.core.weight_grams as weight_grams
 import tangentlens.probes.weight_gradient as wg
 from tangentlens.core.compute import _blas_syrk, _mirrored, _product
 
@@ -93,7 +95,8 @@ def in_model() -> None:
             spent: Counter = Counter()
             chosen = product if label == "product" else blas_syrk
             with (
-                mock.patch.object(wg, "syrk", chosen),
+                mock.patch.object(weight_grams, "syrk", chosen),
+                mock.patch.object(wg, "_will_execute", None),
                 _timers(spent),
                 probe(bridge, bases, names, head_null=0),
             ):
