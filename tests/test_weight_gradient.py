@@ -295,6 +295,35 @@ def test_a_padded_and_a_whole_pass_under_one_backward(monkeypatch: pytest.Monkey
         assert float((s - expected[site]).norm() / expected[site].norm()) < 1e-5, site
 
 
+def test_autocast_folds_and_create_graph_keeps_no_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under autocast a weight's gradient is a product of bfloat16-rounded factors: the
+    pass folds X and Δ instead. A backward with ``create_graph`` runs the weight hooks
+    with grad on: the Grams they add carry no graph."""
+    gen = torch.Generator().manual_seed(3)
+    d = 16
+    maps, p, handles = _maps_probe(d)
+    site, folds = Site(0, "attn_in"), _folds(monkeypatch)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            q, k, v = maps(torch.randn(2, 40, d, generator=gen))
+            loss = q.float().square().sum() + (k * v).float().sum()
+        loss.backward()
+        assert len(folds) == 1
+        p.reset()
+        maps.zero_grad(set_to_none=True)
+        q, k, v = maps(torch.randn(2, 40, d, generator=gen))
+        (q.square().sum() + (k * v).sum()).backward(create_graph=True)
+        s = p.matrices()[site]
+        assert len(folds) == 1 and not s.requires_grad and s.grad_fn is None
+        grads = [m.weight.grad.detach().double() for m in (maps.q, maps.k, maps.v)]
+        want = sum(g.T @ g for g in grads)
+        assert float((s - want).norm() / want.norm()) < 1e-6
+    finally:
+        for handle in handles:
+            handle.remove()
+        maps.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize(("tokens_", "folded"), [(3, True), (200, False)])
 def test_the_cheaper_of_weights_and_fold(
     tokens_: int, folded: bool, monkeypatch: pytest.MonkeyPatch

@@ -51,8 +51,8 @@ Whether the backward computes a weight's gradient is asked of the autograd engin
 Δ's hook. The weight's gradient sums over every use of the weight in the backward, so it
 stands for a pass only when that pass sent the one Δ of the weight the backward carried,
 kept every position and `fold_flops` counts it cheaper; otherwise (two forwards under one
-backward, a weight two sites share, padding, `run`'s backward with respect to the
-embedding output, frozen weights, few tokens) the pass folds X and Δ as above. A use of
+backward, a weight two sites share, padding, autocast, `run`'s backward with respect to
+the embedding output, frozen weights, few tokens) the pass folds X and Δ as above. A use of
 the weight outside its module (an intervention multiplying by it) is not seen: keep such
 a weight out of the graph, or its G Gᵀ will hold that use's gradient too.
 """
@@ -109,6 +109,7 @@ class _Pass:
         self.deltas: dict[int, Tensor] = {}
         self.weights: dict[int, tuple[Tensor, Any]] = {}  # map → weight, its grad's node
         self.outs: dict[int, int] = {}  # map → its output width
+        self.rounded: set[int] = set()  # maps run in another dtype than their weight
         self.expect: set[int] = set()
         self.gram: Tensor | None = None  # Σ G_mG_mᵀ of the maps whose weight sent G_m
         self.flushed = False  # folded: a Δ still to come is folded on its own
@@ -223,6 +224,8 @@ class WeightGradientProbe(MomentProbe):
             if weight is not None:  # with its gradient's own node, for `_computes_weight`
                 node = weight.view_as(weight).grad_fn.next_functions[0][0]
                 pending.weights[index] = (weight, node)
+                if not output.dtype == args[0].dtype == weight.dtype:
+                    pending.rounded.add(index)  # autocast: its G has rounded factors
 
             def on_grad(delta: Tensor) -> None:
                 self._receive(pending, index, delta)
@@ -255,7 +258,8 @@ class WeightGradientProbe(MomentProbe):
 
     def _add_weight_gram(self, pending: _Pass, index: int, g: Tensor) -> None:
         """Map ``index``'s G Gᵀ from its weight's gradient G, in place of its Δ."""
-        gram = gradient_gram(g, gram_dtype(g))
+        with torch.no_grad():  # a backward with create_graph runs its hooks with grad on
+            gram = gradient_gram(g.detach(), gram_dtype(g))
         pending.gram = gram if pending.gram is None else pending.gram.add_(gram)
         del pending.deltas[index]
 
@@ -290,7 +294,7 @@ class WeightGradientProbe(MomentProbe):
             self._fold(pending, [delta])
         else:
             pending.deltas[index] = delta
-            if computes and _weight_pays(pending):
+            if computes and index not in pending.rounded and _weight_pays(pending):
                 pending.expect.add(index)
                 self._expecting.setdefault((pending.site, index), []).append(pending)
             if pending.complete:
