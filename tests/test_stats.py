@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangentlens.core.errors import CorruptFileError, UsageError
-from tangentlens.core.stats import Moments, batch_statistics, gram_dtype, state_dtype
+from tangentlens.core.stats import Moments, batch_statistics, gram_dtype, state_dtype, unit_scale
 
 
 def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,6 +228,23 @@ def test_float32_products_within_1e_6_of_float64(mean, spread):
     ]:
         assert ((a - b).norm() / b.norm()).item() < 1e-6
     torch.testing.assert_close(fast.mean, ref.mean, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("peak", [3e-30, 0.75, 1.0, 5e20])
+def test_unit_scale_is_the_power_of_two_below_the_peak(peak):
+    """2^-e with 2^(e-1) ≤ max|t| < 2^e over all the tensors, the same for a transposed
+    view as for its contiguous copy; 1 for zeros."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.rand(40, 7, generator=gen) * 0.5 * peak
+    a[3, 2] = -peak  # the peak's sign does not matter
+    b = torch.rand(5, generator=gen) * 0.1 * peak
+    for tensors in [(a,), (a.T,), (a.T.contiguous(),), (b, a.T), (a[:, 1:],)]:
+        scale = unit_scale(*tensors)
+        top = max(float(t.abs().max()) for t in tensors)
+        assert 0.5 <= top * float(scale) < 1, tensors[0].shape
+        assert torch.frexp(scale)[0] == 0.5  # a power of two: multiplying by it is exact
+    assert torch.equal(unit_scale(a.T), unit_scale(a))
+    assert float(unit_scale(torch.zeros(3, 4))) == 1.0
 
 
 def test_reduced_precision_matmul_keeps_float64():

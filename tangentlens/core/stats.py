@@ -85,8 +85,11 @@ def unit_scale(*tensors: Tensor) -> Tensor:
     """2^-e with 2^(e-1) ≤ max|t| < 2^e over every entry of ``tensors`` (1 for zeros), on
     their device: multiplying by it is exact and brings them into [-1, 1), so float32
     products neither overflow nor underflow."""
-    peaks = [torch.maximum(high, -low) for low, high in map(torch.aminmax, tensors)]
-    peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()  # one pass, no |t| copy
+    # one pass, no |t| copy; a transposed view (a weight's gradient) read as its
+    # contiguous buffer, the same entries, which aminmax reads about ten times faster
+    dense = (t.mT if t.ndim == 2 and t.mT.is_contiguous() else t for t in tensors)
+    peaks = [torch.maximum(high, -low) for low, high in map(torch.aminmax, dense)]
+    peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
     return torch.ldexp(torch.ones((), device=peak.device), -torch.frexp(peak)[1])
 
 
