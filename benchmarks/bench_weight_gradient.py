@@ -81,10 +81,7 @@ def _folds(old: type, tokens: list[int], repeat: int) -> None:
                     folds[name]()
                     if r:
                         times[name].append(time.thread_time() - start)
-        forms = [
-            min(("direct", "token"), key=lambda f, o=outs: weight_grams.fold_flops(n, d, sum(o), f))
-            for outs in sites
-        ]
+        forms = [weight_grams.fold_form(n, d, sum(outs)) for outs in sites]
         old_s, new_s, w_s = (statistics.median(times[k]) for k in folds)
         print(
             f"n = {n}: old {old_s * 1e3:.0f} ms, new {new_s * 1e3:.0f} ms a layer "

@@ -19,7 +19,14 @@ from .compute import syrk
 from .errors import UsageError
 from .stats import gram_dtype, unit_scale
 
-__all__ = ["fold_flops", "gradient_gram", "input_gradient", "pooled_weight_gram", "weight_gram"]
+__all__ = [
+    "fold_flops",
+    "fold_form",
+    "gradient_gram",
+    "input_gradient",
+    "pooled_weight_gram",
+    "weight_gram",
+]
 
 
 def gradient_gram(g: Tensor, work: torch.dtype, *, overwrite: bool = False) -> Tensor:
@@ -67,6 +74,13 @@ def fold_flops(n: int, d: int, outs: int, form: str) -> int:
     return n * n * outs + 2 * n * n * d + 2 * n * d * d
 
 
+def fold_form(n: int, d: int, outs: int) -> str:
+    """The fold of X and Δ that `fold_flops` counts cheaper: "token" or "direct" (on a
+    tie, "direct")."""
+    cheaper = fold_flops(n, d, outs, "token") < fold_flops(n, d, outs, "direct")
+    return "token" if cheaper else "direct"
+
+
 def pooled_weight_gram(x: Tensor, deltas: Sequence[Tensor], form: str = "auto") -> Tensor:
     """Σ_m G_mG_mᵀ (d_in × d_in, float64), G_m = XᵀΔ_m, over maps that read the same
     ``x`` (n × d_in), in the cheaper ``form`` of `fold_flops` ("auto"), or the one named.
@@ -82,10 +96,7 @@ def pooled_weight_gram(x: Tensor, deltas: Sequence[Tensor], form: str = "auto") 
     Each is read back into float64; in float64 (no IEEE float32 matmul) the same forms
     run unscaled."""
     if form == "auto":
-        n, d = x.shape
-        outs = sum(delta.shape[-1] for delta in deltas)
-        cheaper = fold_flops(n, d, outs, "token") < fold_flops(n, d, outs, "direct")
-        form = "token" if cheaper else "direct"
+        form = fold_form(*x.shape, sum(delta.shape[-1] for delta in deltas))
     if form not in ("direct", "token"):
         raise UsageError(f"form must be 'auto', 'direct' or 'token'; got {form!r}.")
     work = gram_dtype(x)

@@ -75,6 +75,7 @@ from ..core.uncertainty import jackknife_interval
 from ..core.validation import check_int
 from ..core.weight_grams import (
     fold_flops,
+    fold_form,
     gradient_gram,
     input_gradient,
     pooled_weight_gram,
@@ -519,7 +520,7 @@ def _weight_pays(pending: _Pass) -> bool:
         return False
     d = pending.x.shape[-1]
     n, outs = pending.x.numel() // d, sum(pending.outs.values())
-    fold = min(fold_flops(n, d, outs, form) for form in ("direct", "token"))
+    fold = fold_flops(n, d, outs, fold_form(n, d, outs))
     return fold_flops(n, d, outs, "weights") < fold
 
 
