@@ -86,7 +86,7 @@ def unit_scale(*tensors: Tensor) -> Tensor:
     their device: multiplying by it is exact and brings them into [-1, 1), so float32
     products neither overflow nor underflow."""
     # one pass, no |t| copy; a transposed view (a weight's gradient) read as its
-    # contiguous buffer, the same entries, which aminmax reads about ten times faster
+    # contiguous buffer: the same entries, in the order aminmax reads fast
     dense = (t.mT if t.ndim == 2 and t.mT.is_contiguous() else t for t in tensors)
     peaks = [torch.maximum(high, -low) for low, high in map(torch.aminmax, dense)]
     peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
