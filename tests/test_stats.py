@@ -209,7 +209,9 @@ def _float64_statistics(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tenso
     return reference
 
 
-@pytest.mark.parametrize(("mean", "spread"), [(0.0, 1.0), (1e4, 1.0), (-3e3, 1e-3), (0.0, 1e-25)])
+@pytest.mark.parametrize(
+    ("mean", "spread"), [(0.0, 1.0), (1e4, 1.0), (-3e3, 1e-3), (0.0, 1e-25), (0.0, 1e25)]
+)
 def test_float32_products_within_1e_6_of_float64(mean, spread):
     """float32 activations: the product in float32, about the batch mean, scaled by a power
     of two; covariance and second moment within 1e-6 relative of the all-float64 product,
@@ -228,6 +230,18 @@ def test_float32_products_within_1e_6_of_float64(mean, spread):
     ]:
         assert ((a - b).norm() / b.norm()).item() < 1e-6
     torch.testing.assert_close(fast.mean, ref.mean, rtol=1e-12, atol=0)
+
+
+def test_float32_product_unscaled_in_range_equals_the_scaled_one():
+    """Inside float32's range the product is formed unscaled; scaling by a power of two
+    (what happens outside it) rounds every sum alike, so the two are equal bit for bit:
+    2^50·x takes the scaled path and gives 2^100 times x's scatter exactly."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 24, generator=gen) * torch.logspace(-1, 1, 24) + 3.0
+    n, mean, scatter = batch_statistics(x, fast=True)
+    big = batch_statistics(x * 2.0**50, fast=True)  # squares past 2^100: scaled
+    assert big[0] == n and torch.equal(big[1], mean * 2.0**50)
+    assert torch.equal(big[2], scatter * 2.0**100)
 
 
 @pytest.mark.parametrize("peak", [3e-30, 0.75, 1.0, 5e20])

@@ -15,10 +15,11 @@ otherwise. The probes ask only where float32 is enough for what they compute
 float32 products move far more than a share) and the activations behind
 ``normalized_ratio`` (1 − share sits in a denominator) keep float64 products.
 `Moments.update` keeps float64 products. The float32 product is formed about the batch's
-own mean rounded to float32 (the offset of that centre corrected exactly in float64) and
-scaled by a power of two, so neither a large mean nor float32's range costs precision,
-then added into float64 state. `benchmarks/bench_accumulation.py` measures how far each
-statistic moves (docs/PERFORMANCE.md).
+own mean rounded to float32 (the offset of that centre corrected in float64), scaled by a
+power of two where its squares would leave float32's range, so neither a large mean nor
+that range costs precision, then added into float64 state.
+`benchmarks/bench_accumulation.py` measures how far each statistic moves
+(docs/PERFORMANCE.md).
 
 Memory (`MEMORY`). ``memory="full"`` keeps the scatter in float64 (8·d² bytes);
 ``"compact"`` in float32 (4·d² bytes), for d ≥ 2048: half the memory, every statistic
@@ -32,6 +33,7 @@ The sum and the uncentred Gram matrix are derived on demand, so every use
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 
@@ -96,19 +98,28 @@ def unit_scale(*tensors: Tensor) -> Tensor:
 def scatter_of(rows: Tensor, mean: Tensor, *, fast: bool = False) -> Tensor:
     """Σ (x − x̄)(x − x̄)ᵀ over the rows of ``rows`` (n, d) with ``mean`` x̄ (float64),
     returned in float64; the product in float64, or with ``fast`` in `gram_dtype`: about
-    x̄ rounded to float32 (the offset of that centre corrected exactly), scaled by a power
-    of two that keeps every entry inside float32's range."""
+    x̄ rounded to float32 (the offset of that centre corrected in float64), scaled by a
+    power of two only where its squares leave float32's comfortable range."""
     work = gram_dtype(rows) if fast else torch.float64
     if work == torch.float64:
         centred = rows.to(torch.float64) - mean
         return centred.T @ centred
-    centred = rows.to(work) - mean.to(work)
-    scale = unit_scale(centred)
-    centred.mul_(scale)
-    offset = centred.sum(0, dtype=torch.float64) / rows.shape[0]  # (x̄ − centre)·scale
-    gram = (centred.T @ centred).to(torch.float64)
-    gram.addr_(offset, offset, alpha=-rows.shape[0])  # in place: d × d passes are the cost
-    return gram.mul_(scale.to(torch.float64) ** -2)  # exact: a power of two
+    centre = mean.to(work)
+    centred = rows.to(work) - centre
+    offset = mean - centre.to(torch.float64)  # x̄ − centre, exactly
+    gram = centred.T @ centred
+    # The diagonal bounds every entry and every product that formed it. Between 2^-60 and
+    # 2^100 nothing overflowed and what underflowed is below n·2^-90 of it, and scaling by a
+    # power of two would round every sum alike: the product stands as it is. Outside (or
+    # NaN / Inf), it is formed again scaled into [-1, 1) (`unit_scale`), exact as well.
+    peak = float(gram.diagonal().max())
+    if 2.0**-60 <= peak <= 2.0**100:
+        gram = gram.to(torch.float64)
+    else:
+        scale = unit_scale(centred)
+        centred.mul_(scale)
+        gram = (centred.T @ centred).to(torch.float64).mul_(scale.to(torch.float64) ** -2)
+    return gram.addr_(offset, offset, alpha=-rows.shape[0])  # in place: d × d passes cost
 
 
 @torch.no_grad()
@@ -139,9 +150,9 @@ def batch_statistics(
         return 0, torch.zeros(d, dtype=torch.float64, device=rows.device), zeros
     mean = rows.sum(0, dtype=torch.float64) / n
     scatter = scatter_of(rows, mean, fast=fast)
-    # NaN or Inf anywhere in the batch reaches its mean or the scatter's diagonal:
-    # an O(d) check instead of a pass over every element.
-    if not bool(torch.isfinite(mean).all() & torch.isfinite(scatter.diagonal()).all()):
+    # NaN or Inf anywhere in the batch reaches its mean or the scatter's diagonal, and so
+    # their sum: an O(d) check instead of a pass over every element.
+    if not math.isfinite(float(mean.sum() + scatter.diagonal().sum())):
         raise UsageError(
             "x contains NaN or Inf; check the model's dtype (overflow in float16?) "
             "or mask the offending positions with mask=."
