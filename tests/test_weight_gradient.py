@@ -15,9 +15,10 @@ from helpers import hook_counts
 from models import hf_model, padded_batch, tl_bridge, tokens
 
 import tangentlens.probes.weight_gradient as wg
+from tangentlens.core.compute import syrk
 from tangentlens.core.errors import UsageError
 from tangentlens.core.significance import energy_ratio, matrix_tests, tangent_tests
-from tangentlens.core.stats import Moments
+from tangentlens.core.stats import Moments, in_float32_range
 from tangentlens.core.subspace import TangentBasis, tangent_share
 from tangentlens.hooks import INPUT_KINDS, Site, get_backend
 from tangentlens.hooks.families import unwrap
@@ -614,6 +615,24 @@ def test_token_gram_form_equals_direct_form() -> None:
     assert torch.equal(empty, torch.zeros(4, 4, dtype=torch.float64))
     with pytest.raises(UsageError, match="form must be"):
         pooled_weight_gram(x, deltas, "gram")
+
+
+def test_gradient_gram_unscaled_in_range_and_scaled_outside() -> None:
+    """G Gᵀ of a float32 G: inside float32's range formed unscaled, equal bit for bit to
+    the scaled product (2^64·G is scaled: 2^128 times the same); far outside it (squares
+    past float32's range, or below its normal numbers) scaled, within 1e-6 of float64."""
+
+    gen = torch.Generator().manual_seed(3)
+    g = (torch.randn(96, 40, generator=gen) * torch.logspace(-2, 0, 40)).T * 1e-3  # a view
+    gram = wg.gradient_gram(g, torch.float32)
+    assert torch.equal(gram, gram.T) and gram.dtype == torch.float64
+    assert in_float32_range(syrk([g])) and not in_float32_range(syrk([g * 2.0**64]))
+    assert torch.equal(wg.gradient_gram(g * 2.0**64, torch.float32), gram * 2.0**128)
+    for factor in (1e30, 1e-28):
+        big = (g.double() * factor).float()
+        want = big.double() @ big.double().T
+        got = wg.gradient_gram(big, torch.float32)
+        assert float((got - want).norm() / want.norm()) < 1e-6, factor
 
 
 @pytest.mark.parametrize("form", ["direct", "token"])

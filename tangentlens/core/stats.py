@@ -49,6 +49,7 @@ __all__ = [
     "SharedBatch",
     "batch_statistics",
     "gram_dtype",
+    "in_float32_range",
     "scatter_of",
     "state_dtype",
     "unit_scale",
@@ -95,11 +96,20 @@ def unit_scale(*tensors: Tensor) -> Tensor:
     return torch.ldexp(torch.ones((), device=peak.device), -torch.frexp(peak)[1])
 
 
+def in_float32_range(gram: Tensor) -> bool:
+    """Whether a float32 Gram matrix A·Aᵀ formed from unscaled factors is the one their
+    `unit_scale` twin gives. Its diagonal bounds every entry and every product that formed
+    one: between 2^-30 and 2^100 nothing overflowed, only products 2^-96 below the peak
+    could underflow, and a power-of-two scale would round every sum alike. Outside that
+    (or NaN / Inf), form it again scaled."""
+    return 2.0**-30 <= float(gram.diagonal().max()) <= 2.0**100
+
+
 def scatter_of(rows: Tensor, mean: Tensor, *, fast: bool = False) -> Tensor:
     """Σ (x − x̄)(x − x̄)ᵀ over the rows of ``rows`` (n, d) with ``mean`` x̄ (float64),
     returned in float64; the product in float64, or with ``fast`` in `gram_dtype`: about
     x̄ rounded to float32 (the offset of that centre corrected in float64), scaled by a
-    power of two only where its squares leave float32's comfortable range."""
+    power of two only where its squares leave float32's range (`in_float32_range`)."""
     work = gram_dtype(rows) if fast else torch.float64
     if work == torch.float64:
         centred = rows.to(torch.float64) - mean
@@ -108,12 +118,7 @@ def scatter_of(rows: Tensor, mean: Tensor, *, fast: bool = False) -> Tensor:
     centred = rows.to(work) - centre
     offset = mean - centre.to(torch.float64)  # x̄ − centre, exactly
     gram = centred.T @ centred
-    # The diagonal bounds every entry and every product that formed it. Between 2^-60 and
-    # 2^100 nothing overflowed and what underflowed is below n·2^-90 of it, and scaling by a
-    # power of two would round every sum alike: the product stands as it is. Outside (or
-    # NaN / Inf), it is formed again scaled into [-1, 1) (`unit_scale`), exact as well.
-    peak = float(gram.diagonal().max())
-    if 2.0**-60 <= peak <= 2.0**100:
+    if in_float32_range(gram):
         gram = gram.to(torch.float64)
     else:
         scale = unit_scale(centred)

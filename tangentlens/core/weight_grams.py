@@ -4,8 +4,9 @@
 
 Products are formed in `stats.gram_dtype` (float32 for float32 activations on an IEEE
 device) about X's mean, each factor scaled by an exact power of two (`stats.unit_scale`)
-so float32 neither overflows nor underflows, and read back into float64; symmetric
-products are symmetric bit for bit (`compute.syrk`).
+so float32 neither overflows nor underflows (G Gᵀ only where it would leave float32's
+range, `stats.in_float32_range`), and read back into float64; symmetric products are
+symmetric bit for bit (`compute.syrk`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from .compute import syrk
 from .errors import UsageError
-from .stats import gram_dtype, unit_scale
+from .stats import gram_dtype, in_float32_range, unit_scale
 
 __all__ = [
     "fold_flops",
@@ -31,8 +32,13 @@ __all__ = [
 
 def gradient_gram(g: Tensor, work: torch.dtype, *, overwrite: bool = False) -> Tensor:
     """G Gᵀ (float64) of a weight gradient G (d_in × out), the product formed in ``work``
-    (`compute.syrk`, symmetric bit for bit): G scaled by an exact power of two
-    (`stats.unit_scale`, in place with ``overwrite``) and rounded to ``work`` once."""
+    (`compute.syrk`, symmetric bit for bit) from G rounded to ``work`` once: on the CPU as
+    it is where the product stays in float32's range (`stats.in_float32_range`), else G
+    scaled by an exact power of two (`stats.unit_scale`, in place with ``overwrite``)."""
+    if work == torch.float32 and g.device.type == "cpu":  # a GPU would wait on the check
+        gram = syrk([g.to(work)])
+        if in_float32_range(gram):
+            return gram.to(torch.float64)
     scale = unit_scale(g)
     scaled = g.mul_(scale) if overwrite else g * scale
     gram = syrk([scaled.to(work)]).to(torch.float64)
