@@ -1,7 +1,7 @@
 """The weight-gradient probe alone, this tree's against a former one, in one process.
 
     .venv/bin/python benchmarks/bench_weight_gradient.py --old 7171fd7 [--layers all]
-        [--batches 2] [--shape 4x128] [--repeat 4] [--tables]
+        [--batches 2] [--shape 4x128] [--repeat 4] [--tables] [--folds N,...] [--threads 1]
 
 On SmolLM2-135M with the default bases of `fit_bases` (rank 16) at the ``attn_in`` and
 ``mlp_in`` sites, each repeat times B bare forward+backward passes, then the same passes
@@ -14,8 +14,10 @@ and Δ with every product in float64 (`gram_dtype` forced to float64, no weight'
 read), as the largest relative difference per statistic. ``--folds N,...``:
 instead, the fold of one layer alone (both sites, random X and Δ of SmolLM2's shapes) at
 N tokens a pass, the former revision's (each map's `weight_gram`) against this tree's
-(`pooled_weight_gram`), with no model running beside it, on one thread and timed in CPU
-seconds of that thread (steadier than wall time on a busy machine). Timing on a shared
+(`pooled_weight_gram`) and G Gᵀ from the weights' gradients (this tree's `gradient_gram`,
+and the former revision's where it has `core/weight_grams.py`), with no model running
+beside it, on one thread and timed in CPU seconds of that thread (steadier than wall time
+on a busy machine), or on ``--threads`` threads in wall time. Timing on a shared
 machine is noisy: read the ratios of one run; the load average is printed.
 """
 
@@ -24,12 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import time
 import warnings
 
 import numpy as np
 import torch
-from _former import former_probe
+from _former import former_core, former_probe
 
 import tangentlens.core.weight_grams as weight_grams
 import tangentlens.probes.weight_gradient as wg
@@ -53,11 +56,17 @@ def _worst(ref, other) -> dict[str, str]:
     return out
 
 
-def _folds(old: type, tokens: list[int], repeat: int) -> None:
-    """CPU seconds per layer, on one thread, of the former fold (each map's G Gᵀ), this
-    tree's fold of X and Δ, and G Gᵀ from the weights' own gradients (as a caller's
-    backward hands them to the probe's weight hooks: (out, in), contiguous)."""
+def _folds(old: type, rev: str, tokens: list[int], repeat: int, n_threads: int) -> None:
+    """Seconds per layer of the former fold (each map's G Gᵀ), this tree's fold of X and
+    Δ, and G Gᵀ from the weights' own gradients (as a caller's backward hands them to the
+    probe's weight hooks: (out, in), contiguous), also by ``rev``'s `gradient_gram` where
+    it has one; on ``n_threads`` threads, in CPU seconds of the thread on one."""
     former = old._fold.__globals__["weight_gram"]
+    try:
+        former_grams = former_core(rev, ("stats", "compute", "weight_grams")).weight_grams
+    except subprocess.CalledProcessError:  # no core/weight_grams.py at ``rev``
+        former_grams = None
+    clock = time.thread_time if n_threads == 1 else time.perf_counter
     d, sites = 576, ((576, 192, 192), (1536, 1536))  # attn_in: W_Q, W_K, W_V; mlp_in: gate, up
     gen = torch.Generator().manual_seed(0)
     for n in tokens:
@@ -73,21 +82,32 @@ def _folds(old: type, tokens: list[int], repeat: int) -> None:
                 sum(weight_grams.gradient_gram(g.T, torch.float32) for g in gs) for gs in grads
             ],
         }
+        if former_grams is not None:
+            folds["weights, old"] = lambda grads=grads: [
+                sum(former_grams.gradient_gram(g.T, torch.float32) for g in gs) for gs in grads
+            ]
         times: dict[str, list[float]] = {name: [] for name in folds}
-        with threads(1):
+        with threads(n_threads):
             for r in range(repeat + 1):  # the first round warms up
                 for name in list(folds) if r % 2 == 0 else list(folds)[::-1]:
-                    start = time.thread_time()
+                    start = clock()
                     folds[name]()
                     if r:
-                        times[name].append(time.thread_time() - start)
+                        times[name].append(clock() - start)
         forms = [weight_grams.fold_form(n, d, sum(outs)) for outs in sites]
-        old_s, new_s, w_s = (statistics.median(times[k]) for k in folds)
+        old_s, new_s, w_s = (statistics.median(times[k]) for k in ("old", "new", "weights"))
+        former_w = (
+            f", by {rev}'s gradient_gram {statistics.median(times['weights, old']) * 1e3:.0f} ms"
+            f" ({min(times['weights, old']) * 1e3:.0f}-{max(times['weights, old']) * 1e3:.0f})"
+            if "weights, old" in times
+            else ""
+        )
         print(
             f"n = {n}: old {old_s * 1e3:.0f} ms, new {new_s * 1e3:.0f} ms a layer "
             f"({old_s / new_s:.2f}x; forms {', '.join(forms)}); from the weights' gradients "
-            f"{w_s * 1e3:.0f} ms ({new_s / w_s:.2f}x faster than new); "
-            f"load {os.getloadavg()[0]:.1f}",
+            f"{w_s * 1e3:.0f} ms ({min(times['weights']) * 1e3:.0f}-"
+            f"{max(times['weights']) * 1e3:.0f}; {new_s / w_s:.2f}x faster than new)"
+            f"{former_w}; load {os.getloadavg()[0]:.1f}",
             flush=True,
         )
 
@@ -101,6 +121,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--tables", action="store_true")
     ap.add_argument("--folds", default="", help="token counts: time the fold alone")
+    ap.add_argument("--threads", type=int, default=1, help="threads of --folds")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     print(f"load average {os.getloadavg()}", flush=True)
@@ -109,7 +130,8 @@ def main() -> None:
         "new": wg.WeightGradientProbe,
     }
     if args.folds:
-        _folds(kinds["old"], [int(n) for n in args.folds.split(",")], args.repeat)
+        tokens = [int(n) for n in args.folds.split(",")]
+        _folds(kinds["old"], args.old, tokens, args.repeat, args.threads)
         return
     bridge, tok = models.load("smollm2-135m")
     backend = get_backend(bridge)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from models import tl_bridge, tokens
 
 from tangentlens.core.errors import UsageError
-from tangentlens.probes import fit_bases, probe, run
+from tangentlens.probes import base, fit_bases, probe, run
 
 OPTS = {"n_controls": 20}
 
@@ -80,3 +81,40 @@ def test_a_backward_after_the_block_is_not_counted(setup, one_thread) -> None:
     before = session.gradient_moments["blocks.0.hook_resid_pre"].count
     late.backward()
     assert session.gradient_moments["blocks.0.hook_resid_pre"].count == before
+
+
+def test_energies_are_shared_by_the_probes_and_twin_sites(setup, one_thread, monkeypatch):
+    """The residual, gradient and weight-gradient probes read one activation at a site,
+    and resid_post[l] / resid_pre[l + 1] are one tensor with equal bases: each (tensor,
+    basis) gets its energies once, and the results are those computed every time."""
+    model, batches, bases = setup
+    energies, cache = base.energy_sums, base.SharedEnergies()
+    basis = bases["blocks.0.hook_resid_pre"]
+    x = torch.randn(2, 3, basis.d)
+    first = cache(x, None, basis)
+    assert cache(x.view(6, -1).view(2, 3, -1), None, basis.relabelled(site="twin")) is first
+    x.add_(1.0)  # an in-place edit: computed again
+    again = cache(x, None, basis)
+    assert again is not first and torch.equal(again, energies(x, basis))
+    other = bases["blocks.1.hook_resid_pre"]
+    assert torch.equal(cache(x, None, other), energies(x, other))
+
+    names = ("residual", "gradient", "weight_gradient")
+    calls: list[int] = []
+
+    def counted(x, basis, mask=None):
+        calls.append(1)
+        return energies(x, basis, mask)
+
+    def results():
+        calls.clear()
+        with probe(model, bases, names, **OPTS) as session:
+            _step(model, batches[2])
+        return session.results().sort_values(["probe", "hook", "statistic"]), len(calls)
+
+    monkeypatch.setattr(base, "energy_sums", counted)
+    shared, n_shared = results()
+    monkeypatch.setattr(base.SharedEnergies, "__call__", lambda self, x, m, b: counted(x, b, m))
+    every, n_every = results()
+    assert 0 < n_shared < n_every
+    assert shared["value"].equals(every["value"])

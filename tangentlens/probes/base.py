@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from ..core.errors import CorruptFileError, UsageError
 from ..core.results import row  # the probes' row builder, here beside the protocol they follow
 from ..core.stats import Moments, SharedBatch
+from ..core.subspace import TangentBasis
 from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
 
@@ -39,8 +40,10 @@ __all__ = [
     "MomentProbe",
     "Observation",
     "Probe",
+    "SharedEnergies",
     "Sum",
     "ci_columns",
+    "energy_sums",
     "first_equal",
     "row",
     "sites_bar",
@@ -48,6 +51,52 @@ __all__ = [
 
 M = TypeVar("M")
 T = TypeVar("T")
+
+
+@torch.no_grad()
+def energy_sums(x: Tensor, basis: TangentBasis, mask: Tensor | None = None) -> Tensor:
+    """``[Σ‖x‖², Σ‖x Q_T‖², n]`` over the rows of ``x (..., d)`` kept by ``mask``, float64,
+    on x's device (no host sync per batch)."""
+    if mask is not None:
+        x = x[mask.to(x.device).bool()]
+    rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+    flat, coords = rows.reshape(-1), basis.coordinates(rows).reshape(-1)
+    return torch.stack(
+        [
+            torch.dot(flat, flat),  # no squared copy
+            torch.dot(coords, coords),
+            torch.tensor(float(rows.shape[0]), dtype=torch.float64, device=rows.device),
+        ]
+    )
+
+
+class SharedEnergies:
+    """`energy_sums` of the last (tensor, mask, basis) asked for, reused when the next ask
+    reads the same memory against an equal basis: the residual, gradient and
+    weight-gradient probes read one activation at a site, and a bridge's ``resid_post`` of
+    layer l and ``resid_pre`` of layer l + 1 are one tensor whose bases are equal copies.
+    The tensor is held, as `SharedBatch` holds it, and the basis compared by value."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._held: tuple[Tensor, Tensor | None, Tensor] | None = None
+        self._sums: Tensor | None = None
+
+    def __call__(self, x: Tensor, mask: Tensor | None, basis: TangentBasis) -> Tensor:
+        key = (SharedBatch.key_of(x), SharedBatch.key_of(mask))
+        q, held = basis.basis_, self._held
+        same = (
+            held is not None
+            and key == self._key
+            and q.shape == held[2].shape
+            and q.device == held[2].device
+            and torch.equal(q, held[2])
+        )
+        if not same:
+            self._sums = energy_sums(x, basis, mask)
+            # detached: the same storage keeps the key valid, without keeping a graph alive
+            self._key, self._held = key, (x.detach(), mask, q.detach().clone())
+        return self._sums
 
 
 @dataclass
@@ -70,11 +119,17 @@ class Observation:
     cache: SharedBatch = field(default_factory=SharedBatch)
     group: int = 0
     fast: bool = False
+    energy_cache: SharedEnergies = field(default_factory=SharedEnergies)
 
     def statistics(self) -> tuple[int, Tensor, Tensor]:
         """(count, mean, centred scatter) of the kept rows, float64; with ``fast`` the
         scatter's product is formed in `stats.gram_dtype` (float32 for float32 inputs)."""
         return self.cache(self.tensor, self.mask, fast=self.fast)
+
+    def energies(self, basis: TangentBasis) -> Tensor:
+        """`energy_sums` of the kept rows against ``basis``, computed once per tensor and
+        basis and shared like `statistics`."""
+        return self.energy_cache(self.tensor, self.mask, basis)
 
 
 def ci_columns(interval: tuple[float, float] | None) -> dict[str, float]:

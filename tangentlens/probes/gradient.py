@@ -59,7 +59,7 @@ from ..core.validation import check_int
 from ..hooks.sites import RESIDUAL_KINDS, Site
 from .base import MomentProbe, Observation, Sum, ci_columns, first_equal, row, sites_bar
 from .registry import Plan, ProbeSpec, register
-from .residual import amplification_rows, energy_sums, group_energies
+from .residual import amplification_rows, group_energies
 
 __all__ = ["GradientProbe"]
 
@@ -133,7 +133,7 @@ class GradientProbe(MomentProbe):
         if self.basis_free:
             self.state(f"{kind}/{group}/{obs.site.hook_name}").add_batch(*obs.statistics())
             return
-        total, tangent, _ = energy_sums(obs.tensor, self.bases[obs.site], obs.mask)
+        total, tangent, _ = obs.energies(self.bases[obs.site])
         sums = self.state(f"groups/{obs.site.hook_name}")
         update = torch.zeros_like(sums.value, device=total.device)
         update[group, column : column + 2] = torch.stack([tangent, total])

@@ -47,7 +47,7 @@ from ..core.subspace import TangentBasis, shares
 from ..core.uncertainty import jackknife_interval, share_intervals
 from ..core.validation import check_int
 from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site
-from .base import MomentProbe, Observation, Sum, ci_columns, row
+from .base import MomentProbe, Observation, Sum, ci_columns, energy_sums, row
 from .registry import Plan, ProbeSpec, register
 
 __all__ = [
@@ -58,23 +58,6 @@ __all__ = [
     "group_energies",
     "write_basis_site",
 ]
-
-
-@torch.no_grad()
-def energy_sums(x: Tensor, basis: TangentBasis, mask: Tensor | None = None) -> Tensor:
-    """``[Σ‖x‖², Σ‖x Q_T‖², n]`` over the rows of ``x (..., d)`` kept by ``mask``, float64,
-    on x's device (no host sync per batch)."""
-    if mask is not None:
-        x = x[mask.to(x.device).bool()]
-    rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
-    flat, coords = rows.reshape(-1), basis.coordinates(rows).reshape(-1)
-    return torch.stack(
-        [
-            torch.dot(flat, flat),  # no squared copy
-            torch.dot(coords, coords),
-            torch.tensor(float(rows.shape[0]), dtype=torch.float64, device=rows.device),
-        ]
-    )
 
 
 def write_basis_site(write: Site, bases: Mapping[Site, object], n_layers: int) -> Site | None:
@@ -191,7 +174,7 @@ class ResidualProbe(MomentProbe):
             check_finite(mean, obs.site)
             self.state(f"act/{group}/{obs.site.hook_name}").add_batch(n, mean, scatter)
             return
-        sums = energy_sums(obs.tensor, self.bases[obs.site], obs.mask)
+        sums = obs.energies(self.bases[obs.site])
         check_finite(sums, obs.site)
         state = self.state(obs.site.hook_name)
         update = torch.zeros_like(state.value, device=sums.device)

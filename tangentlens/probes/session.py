@@ -39,7 +39,7 @@ from ..models.batches import check_mask, check_tokens
 from . import registry, weight_gradient  # noqa: F401 (each probe module registers its probe)
 from .activation import ActivationProbe
 from .attention import AttentionProbe
-from .base import Observation, Probe, row
+from .base import Observation, Probe, SharedEnergies, row
 from .bases import as_bases, site_order, warn_basis_weights
 from .gradient import GradientProbe
 from .registry import Plan
@@ -139,6 +139,7 @@ class ProbeSession:
         self._passes = -1  # forward passes seen
         self._group = 0  # the group of the current pass's sequences (for intervals)
         self._cache = SharedBatch()
+        self._energies = SharedEnergies()
         self._last_mask: tuple[tuple, tuple[Tensor, Tensor | None], Tensor] | None = None
         self._active = False
         self._seen = {"forward": 0, "backward": 0}
@@ -319,7 +320,7 @@ class ProbeSession:
         def hook(x: Tensor) -> None:
             self._seen["forward"] += 1
             mask = self._mask_for(site, x)
-            obs = Observation(site, x, mask, self._cache, self._group, fast=fast)
+            obs = Observation(site, x, mask, self._cache, self._group, fast, self._energies)
             with torch.no_grad():
                 for reader in readers:
                     reader.update(obs)
@@ -343,7 +344,8 @@ class ProbeSession:
                     f"mask {tuple(mask.shape)}; run one backward per forward pass."
                 )
             mask = self._gradient_mask(grad, mask)
-            obs = Observation(site, grad, mask, self._cache, group)  # float64 products
+            # fast=False: float64 products for gradients
+            obs = Observation(site, grad, mask, self._cache, group, False, self._energies)
             for reader in readers:
                 reader.update_gradient(obs)
 

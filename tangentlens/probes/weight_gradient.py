@@ -85,7 +85,7 @@ from ..hooks.base import Backend, Handle, ModuleHandle
 from ..hooks.sites import INPUT_KINDS, Site
 from .base import MomentProbe, Observation, Probe, Sum, ci_columns, row, sites_bar
 from .registry import Plan, ProbeSpec, register
-from .residual import check_finite, energy_sums, group_energies
+from .residual import check_finite, group_energies
 
 __all__ = [
     "WeightGradientProbe",
@@ -397,7 +397,7 @@ class WeightGradientProbe(MomentProbe):
     def update(self, obs: Observation) -> None:
         self._masks[obs.site] = (obs.mask, obs.group)  # the maps that read the site run next
         if obs.site in self.bases:  # all normalized_ratio reads: Σ‖x‖², Σ‖x Q_T‖², n
-            sums = energy_sums(obs.tensor, self.bases[obs.site], obs.mask)
+            sums = obs.energies(self.bases[obs.site])
             check_finite(sums, obs.site)
             self.state(f"act_energy/{obs.site.hook_name}").add(sums)
             return
