@@ -96,12 +96,17 @@ def _folds(old: type, rev: str, tokens: list[int], repeat: int, n_threads: int) 
                         times[name].append(clock() - start)
         forms = [weight_grams.fold_form(n, d, sum(outs)) for outs in sites]
         old_s, new_s, w_s = (statistics.median(times[k]) for k in ("old", "new", "weights"))
-        former_w = (
-            f", by {rev}'s gradient_gram {statistics.median(times['weights, old']) * 1e3:.0f} ms"
-            f" ({min(times['weights, old']) * 1e3:.0f}-{max(times['weights, old']) * 1e3:.0f})"
-            if "weights, old" in times
-            else ""
-        )
+        former_w = ""
+        if "weights, old" in times:
+            same = all(
+                torch.equal(a, b)
+                for a, b in zip(folds["weights"](), folds["weights, old"](), strict=True)
+            )
+            w_old = times["weights, old"]
+            former_w = (
+                f", by {rev}'s gradient_gram {statistics.median(w_old) * 1e3:.0f} ms"
+                f" ({min(w_old) * 1e3:.0f}-{max(w_old) * 1e3:.0f}; bit for bit equal: {same})"
+            )
         print(
             f"n = {n}: old {old_s * 1e3:.0f} ms, new {new_s * 1e3:.0f} ms a layer "
             f"({old_s / new_s:.2f}x; forms {', '.join(forms)}); from the weights' gradients "
