@@ -232,6 +232,12 @@ def test_float32_products_within_1e_6_of_float64(mean, spread):
     torch.testing.assert_close(fast.mean, ref.mean, rtol=1e-12, atol=0)
 
 
+def test_empty_vectors_name_d():
+    """Vectors of width 0 get a usage error naming d, not a reshape failure."""
+    with pytest.raises(UsageError, match="d ≥ 1"):
+        Moments().update(torch.zeros(3, 0))
+
+
 def test_float32_product_unscaled_in_range_equals_the_scaled_one():
     """Inside float32's range the product is formed unscaled; scaling by a power of two
     (what happens outside it) rounds every sum alike, so the two are equal bit for bit:

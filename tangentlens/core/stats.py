@@ -140,6 +140,8 @@ def batch_statistics(
         x = torch.as_tensor(x)
     if x.ndim < 1:
         raise UsageError("x must have shape (..., d); got a scalar. Pass vectors as rows.")
+    if x.shape[-1] == 0:
+        raise UsageError(f"x must have shape (..., d) with d ≥ 1; got {tuple(x.shape)}.")
     if mask is not None:
         mask = torch.as_tensor(mask, device=x.device).bool()
         if tuple(mask.shape) != tuple(x.shape[:-1]):
@@ -156,8 +158,8 @@ def batch_statistics(
     mean = rows.sum(0, dtype=torch.float64) / n
     scatter = scatter_of(rows, mean, fast=fast)
     # NaN or Inf anywhere in the batch reaches its mean or the scatter's diagonal, and so
-    # their sum: an O(d) check instead of a pass over every element.
-    if not math.isfinite(float(mean.sum() + scatter.diagonal().sum())):
+    # their largest entries: an O(d) check instead of a pass over every element.
+    if not math.isfinite(float(mean.abs().max() + scatter.diagonal().max())):
         raise UsageError(
             "x contains NaN or Inf; check the model's dtype (overflow in float16?) "
             "or mask the offending positions with mask=."
