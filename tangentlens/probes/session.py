@@ -320,7 +320,9 @@ class ProbeSession:
         def hook(x: Tensor) -> None:
             self._seen["forward"] += 1
             mask = self._mask_for(site, x)
-            obs = Observation(site, x, mask, self._cache, self._group, fast, self._energies)
+            obs = Observation(
+                site, x, mask, self._cache, self._group, fast=fast, energy_cache=self._energies
+            )
             with torch.no_grad():
                 for reader in readers:
                     reader.update(obs)
@@ -344,8 +346,9 @@ class ProbeSession:
                     f"mask {tuple(mask.shape)}; run one backward per forward pass."
                 )
             mask = self._gradient_mask(grad, mask)
-            # fast=False: float64 products for gradients
-            obs = Observation(site, grad, mask, self._cache, group, False, self._energies)
+            obs = Observation(  # not fast: gradients keep float64 products
+                site, grad, mask, self._cache, group, energy_cache=self._energies
+            )
             for reader in readers:
                 reader.update_gradient(obs)
 
