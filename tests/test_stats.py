@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangentlens.core.errors import CorruptFileError, UsageError
-from tangentlens.core.stats import Moments, batch_statistics, gram_dtype, state_dtype, unit_scale
+from tangentlens.core.stats import (
+    Moments,
+    batch_statistics,
+    gram_dtype,
+    in_float32_range,
+    state_dtype,
+    unit_scale,
+)
 
 
 def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,6 +251,8 @@ def test_float32_product_unscaled_in_range_equals_the_scaled_one():
     2^50·x takes the scaled path and gives 2^100 times x's scatter exactly."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(300, 24, generator=gen) * torch.logspace(-1, 1, 24) + 3.0
+    c = x - x.mean(0)
+    assert in_float32_range(c.T @ c) and not in_float32_range((c * 2.0**50).T @ (c * 2.0**50))
     n, mean, scatter = batch_statistics(x, fast=True)
     big = batch_statistics(x * 2.0**50, fast=True)  # squares past 2^100: scaled
     assert big[0] == n and torch.equal(big[1], mean * 2.0**50)

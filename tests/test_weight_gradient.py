@@ -621,7 +621,6 @@ def test_gradient_gram_unscaled_in_range_and_scaled_outside() -> None:
     """G Gᵀ of a float32 G: inside float32's range formed unscaled, equal bit for bit to
     the scaled product (2^64·G is scaled: 2^128 times the same); far outside it (squares
     past float32's range, or below its normal numbers) scaled, within 1e-6 of float64."""
-
     gen = torch.Generator().manual_seed(3)
     g = (torch.randn(96, 40, generator=gen) * torch.logspace(-2, 0, 40)).T * 1e-3  # a view
     gram = wg.gradient_gram(g, torch.float32)
