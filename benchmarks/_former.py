@@ -4,7 +4,8 @@ benchmarks time both interleaved (one machine state for both) and compare their 
 Only the modules named are loaded from the revision (as ``tangentlens._former_core.*``);
 every other core module is this tree's, so both share `Moments`, the errors and the
 validation, and a former `TangentBasis` is built from this tree's with `basis`.
-`former_probe` loads one probe class of a revision the same way.
+`former_probe` loads one probe class of a revision the same way, `former_probes_module` a
+whole module of ``tangentlens/probes``.
 """
 
 from __future__ import annotations
@@ -62,14 +63,20 @@ def basis(core: types.SimpleNamespace, new_basis: object) -> object:
 def former_probe(rev: str, module: str, name: str, stop: str) -> type:
     """Probe class ``name`` of ``tangentlens/probes/{module}.py`` at git revision ``rev``,
     its source cut before ``stop`` so that it does not register itself a second time."""
+    return getattr(former_probes_module(rev, module, stop), name)
+
+
+def former_probes_module(rev: str, module: str, stop: str | None = None) -> types.ModuleType:
+    """``tangentlens/probes/{module}.py`` at git revision ``rev`` (cut before ``stop``),
+    its relative imports resolved in this tree."""
     src = subprocess.run(
         ["git", "show", f"{rev}:tangentlens/probes/{module}.py"],
         check=True,
         capture_output=True,
         text=True,
     ).stdout
-    src = src[: src.index(stop)]
+    src = src if stop is None else src[: src.index(stop)]
     loaded = types.ModuleType(f"tangentlens.probes._former_{module}")
     loaded.__package__ = "tangentlens.probes"
     exec(compile(src, f"{rev}:{module}.py", "exec"), loaded.__dict__)
-    return getattr(loaded, name)
+    return loaded

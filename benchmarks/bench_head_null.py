@@ -2,7 +2,7 @@
 forward+backward timed in the same process.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_head_null.py [--repeat 7] [--threads 1]
-        [--large | --smollm2 LAYERS | --checkpoint DIR] [--old REV]
+        [--large | --smollm2 LAYERS | --checkpoint DIR] [--old REV] [--chunks 1,6]
 
 Model: a TransformerLens native bridge with random weights in the demo decoder's shape
 (d_model 128, 4 layers, 4 heads of 32, vocab 4096), one batch of 8 × 64 tokens (the
@@ -16,7 +16,9 @@ it is an encoder. Bases of rank 16 at the attention inputs (`fit_bases`).
 Each repeat times a bare forward+backward of the summed next-token loss, then a forward
 (no grad) inside `probe` with the attention probe alone at ``head_null`` = 0, 4 and 99,
 in an order that rotates between repeats; ``--old REV`` adds git revision REV's probe
-(loaded from its source) at 4 and 99 frames. Each time is divided by that repeat's bare
+(loaded from its source, with REV's `ScoreSplit` and `frame_plan` where it has them) at 4
+and 99 frames; ``--chunks 1,6`` adds 99 frames with at most that many frames a batched
+product (`attention_stats.FRAMES_PER_CHUNK`) for each value given. Each time is divided by that repeat's bare
 forward+backward: the median over repeats and the min–max are printed, with the cost of
 one frame ((t₉₉ − t₀)/99 and (t₄ − t₀)/4). Times are the process's CPU time: with one
 torch thread (the default, as the study runs) that is the work done, and other jobs on a
@@ -27,21 +29,23 @@ from one run, never seconds across runs; the load average is printed.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import time
 import warnings
 from collections.abc import Callable
+from unittest import mock
 
 import torch
-from _former import former_probe
+from _former import former_core, former_probe, former_probes_module
 from bench_probes import build  # the native bridge the probe benchmarks share
 
 from tangentlens import models
 from tangentlens.hooks import get_backend
 from tangentlens.hooks.families import is_causal
 from tangentlens.hooks.sites import Site
-from tangentlens.probes import AttentionProbe, fit_bases, lm_loss, mlm_loss, probe
+from tangentlens.probes import AttentionProbe, attention_stats, fit_bases, lm_loss, mlm_loss, probe
 from tangentlens.probes.base import Probe
 
 
@@ -66,6 +70,7 @@ def main() -> None:
     ap.add_argument("--smollm2", default=None, help="SmolLM2-135M at these layers, 4 × 128")
     ap.add_argument("--checkpoint", default=None, help="a local HF folder, 8 × 64")
     ap.add_argument("--old", default=None, help="also this git revision's probe")
+    ap.add_argument("--chunks", default=None, help="also 99 frames at these FRAMES_PER_CHUNK")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
@@ -93,6 +98,15 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         loss(model, ids).backward()
 
+    def chunked(size: int, call: Callable[[], None]) -> Callable[[], None]:
+        """``call`` with at most ``size`` frames a batched product."""
+
+        def run() -> None:
+            with mock.patch.object(attention_stats, "FRAMES_PER_CHUNK", size):
+                call()
+
+        return run
+
     def probed(made: Probe) -> Callable[[], None]:
         def call() -> None:
             with torch.no_grad(), probe(model, {}, [made]):
@@ -106,10 +120,25 @@ def main() -> None:
         f"head_null={n}": probed(AttentionProbe(layers, head_null=n, head_null_sequences=None))
         for n in (0, 4, 99)
     }
+    for size in [] if args.chunks is None else [int(v) for v in args.chunks.split(",")]:
+        runs[f"head_null=99, chunks of {size}"] = chunked(
+            size, probed(AttentionProbe(layers, head_null=99, head_null_sequences=None))
+        )
     if args.old:
         former = former_probe(args.old, "attention", "AttentionProbe", "def _inputs")
+        # with that revision's score split and chunk plan too, where it has them
+        scope = former.update.__globals__
+        if "ScoreSplit" in scope:
+            scope["ScoreSplit"] = former_core(args.old, ("decompose",)).decompose.ScoreSplit
+        if "frame_plan" in scope:
+            scope["frame_plan"] = former_probes_module(args.old, "attention_stats").frame_plan
+        every = (
+            {"head_null_sequences": None}
+            if "head_null_sequences" in inspect.signature(former).parameters
+            else {}
+        )
         for n in (4, 99):
-            runs[f"{args.old} head_null={n}"] = probed(former(layers, head_null=n))
+            runs[f"{args.old} head_null={n}"] = probed(former(layers, head_null=n, **every))
     for fn in (bare, *runs.values()):
         fn()  # warm-up
     cpu: dict[str, list[float]] = {name: [] for name in runs}

@@ -90,17 +90,20 @@ def _loop(probe: AttentionProbe, x: Tensor, mask: Tensor) -> dict[str, Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("budget", "chunks", "reuse"), [(None, 1, False), (2_400_000, 4, True), (1, 7, False)]
+    ("budget", "per_chunk", "chunks", "reuse"),
+    [(None, None, 2, True), (None, 7, 1, False), (2_400_000, None, 4, True), (1, None, 7, False)],
 )
 @pytest.mark.parametrize("window", [None, 9])
 def test_batched_frames_equal_one_frame_at_a_time(
-    budget, chunks, reuse, window, monkeypatch
+    budget, per_chunk, chunks, reuse, window, monkeypatch
 ) -> None:
-    """Every frame's statistics, from one batched product per chunk of frames (all in one
-    chunk; chunks of two with each block's pattern kept across them; one frame a chunk,
-    patterns remade), equal those of the frame's own float32 product to 1e-6: GQA,
-    biases, rotary, padding on both sides, a causal mask with and without a window, and
-    three blocks of query rows."""
+    """Every frame's statistics, from one batched product per chunk of frames (the
+    default plan; all in one chunk; chunks of two with each block's pattern kept across
+    them; one frame a chunk, patterns remade), equal those of the frame's own float32
+    product to 1e-6: GQA, biases, rotary, padding on both sides, a causal mask with and
+    without a window, and three blocks of query rows."""
+    if per_chunk is not None:
+        monkeypatch.setattr(attention_stats, "FRAMES_PER_CHUNK", per_chunk)
     if budget is not None:
         monkeypatch.setattr(attention_stats, "FRAME_CHUNK_BYTES", budget)
         monkeypatch.setattr(attention_stats, "PATTERN_BYTES", 2_400_000 if reuse else 1)
@@ -119,11 +122,17 @@ def test_batched_frames_equal_one_frame_at_a_time(
 
 
 def test_frame_plan_sizes() -> None:
-    """Equal chunks within the bound, at least one frame each; none without frames."""
+    """Equal chunks within the bounds, at least one frame each; none without frames."""
     assert frame_plan(0, 8, 64, 4, 32) == ([], False)
     chunks, _ = frame_plan(99, 8, 64, 4, 32)
     sizes = [c.stop - c.start for c in chunks]
     assert sum(sizes) == 99 and max(sizes) - min(sizes) <= 1
+    assert max(sizes) <= attention_stats.FRAMES_PER_CHUNK
+    # SmolLM2's shape: a frame is about 10 MiB, so the frame count, not the bytes, binds
+    big = frame_plan(99, 4, 128, 9, 64)[0]
+    assert max(c.stop - c.start for c in big) == attention_stats.FRAMES_PER_CHUNK
+    # a frame over the byte bound still gets a chunk of its own
+    assert all(c.stop - c.start == 1 for c in frame_plan(3, 64, 4096, 32, 128)[0])
     assert chunks[0].start == 0 and all(a.stop == b.start for a, b in pairwise(chunks))
 
 

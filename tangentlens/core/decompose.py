@@ -247,8 +247,13 @@ class ScoreSplit:
         `decompose_parts`; ``dtype`` float64 or float32."""
         self.x = x = _check_input(torch.as_tensor(x).detach(), params)
         self.params, self.dtype = params, _check_dtype(dtype)
+        # W_Q, W_K per dtype on x's device and x in float64, converted once for every
+        # `parts` call (a null's frames come a few at a time)
+        self._w: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
+        self._x64 = x.to(torch.float64)
         batch, pos, _ = x.shape
-        q, k = (_project(x.to(dtype), w.to(x.device, dtype)) for w in (params.W_Q, params.W_K))
+        x_in = self._x64 if dtype == torch.float64 else x.to(dtype)
+        q, k = (_project(x_in, w) for w in self._weights(dtype))
         q_b, k_b = (
             None if b is None else b.to(q)[None, :, None, :].expand_as(t)
             for b, t in ((params.b_Q, q), (params.b_K, k))
@@ -269,6 +274,14 @@ class ScoreSplit:
         self._q, self._k = self._grouped(q * params.scale), k
         self._q_b = None if q_b is None else self._grouped(q_b * params.scale)
         self._k_b, self._k_all = k_b, k if k_b is None else k + k_b
+
+    def _weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(W_Q, W_K) in ``dtype`` on x's device."""
+        if dtype not in self._w:
+            self._w[dtype] = tuple(  # type: ignore[assignment]
+                w.to(self.x.device, dtype) for w in (self.params.W_Q, self.params.W_K)
+            )
+        return self._w[dtype]
 
     def _rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Rotary on (..., batch, head, pos, e) q and k, leading dims folded into the batch."""
@@ -326,19 +339,20 @@ class ScoreSplit:
         frames = torch.zeros(shape, dtype=torch.float64, device=self.x.device)
         for i, basis in enumerate(bases):  # zero columns add nothing to x Q Qᵀ
             frames[i, :, : basis.k] = basis.basis_
-        coords = torch.einsum("bpd,ndk->nbpk", self.x.to(frames), frames)  # x Q, once
+        coords = torch.einsum("bpd,ndk->nbpk", self._x64, frames)  # x Q, once
+        dtype = _check_dtype(dtype or self.dtype)
+        low = coords.to(dtype)
 
-        def tangent(w: Tensor) -> Tensor:  # x Q and Qᵀ W in float64, their product in w's
-            w_t = torch.einsum("ndk,hde->nhke", frames, w.to(torch.float64))  # Qᵀ W
-            return torch.einsum("nbpk,nhke->nbhpe", coords.to(w), w_t.to(w)).contiguous()
+        def tangent(index: int) -> Tensor:  # x Q and Qᵀ W in float64, their product in dtype
+            w_t = torch.einsum("ndk,hde->nhke", frames, self._weights(torch.float64)[index])
+            return torch.einsum("nbpk,nhke->nbhpe", low, w_t.to(dtype)).contiguous()
 
-        return self._parts(tangent, _check_dtype(dtype or self.dtype))
+        return self._parts(tangent, dtype)
 
-    def _parts(self, tangent: Callable[[Tensor], Tensor], dtype: torch.dtype) -> Parts:
-        """`Parts` from ``tangent(W)``, the tangent projections ``(n, batch, head, pos, e)``
-        by W_Q or W_K ``(head, d_model, e)``, before any norm, rotary or scale."""
-        w_q, w_k = (w.to(self.x.device, dtype) for w in (self.params.W_Q, self.params.W_K))
-        q_t, k_t = self._rotate(self._f_q(tangent(w_q)), self._f_k(tangent(w_k)))
+    def _parts(self, tangent: Callable[[int], Tensor], dtype: torch.dtype) -> Parts:
+        """`Parts` from ``tangent(i)``, the tangent projections ``(n, batch, head, pos, e)``
+        by W_Q (``i`` = 0) or W_K (1) in ``dtype``, before any norm, rotary or scale."""
+        q_t, k_t = self._rotate(self._f_q(tangent(0)), self._f_k(tangent(1)))
         q_t, q, k = self._grouped(q_t * self.params.scale), self._q.to(dtype), self._k.to(dtype)
         return Parts(self, q_t, q - q_t, k_t, k - k_t)
 
@@ -434,7 +448,10 @@ def decompose_parts(
         )
     xt = _check_input(x_tangent, params).to(torch.float64)
     split = ScoreSplit(xt + x_normal.to(xt), params, positions=positions, dtype=dtype)
-    return split._parts(lambda w: _project(xt.to(w), w)[None], dtype).term_dict(0)
+    x_low = xt.to(dtype)
+    return split._parts(lambda i: _project(x_low, split._weights(dtype)[i])[None], dtype).term_dict(
+        0
+    )
 
 
 def keep_mask(

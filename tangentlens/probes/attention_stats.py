@@ -43,12 +43,19 @@ deviation, itself estimated from them (relative standard error about 1/√(2(n �
 a handful of frames a head can look extreme because its frames happened to agree. 99
 frames is also the fewest at which the p-value can reach 0.01."""
 
-FRAME_CHUNK_BYTES = 16 * 2**20
+FRAMES_PER_CHUNK = 6
+"""Frames one batched product takes at most (`frame_plan`): enough that a chunk's own
+work (its projections and rotary, the dispatch of each product and statistic) is small
+beside its frames' arithmetic, few enough that a block's terms and their temporaries stay
+in a core's cache (`benchmarks/bench_head_null.py --chunks`)."""
+
+FRAME_CHUNK_BYTES = 64 * 2**20
 """Bytes of float32 frame terms and projections one batched product may hold
-(`frame_plan`): enough frames that each product's dispatch is small beside its
-arithmetic, and temporaries below the size at which the C allocator maps fresh pages from
-the system for each (32 MiB at most for glibc), whose first touch, chunk after chunk,
-costs more than the arithmetic on them."""
+(`frame_plan`), whatever `FRAMES_PER_CHUNK` allows: a large model's null then never holds
+every frame's queries and keys at once, and its largest temporary (a block's terms, at
+most a third of a chunk for d_head ≥ 32) stays below the size at which the C allocator
+maps fresh pages from the system for each (32 MiB at most for glibc), whose first touch,
+chunk after chunk, costs more than the arithmetic on them."""
 
 PATTERN_BYTES = 256 * 2**20
 """Bytes the blocks' patterns (`_Block`) of one input may hold to be kept for every chunk
@@ -353,17 +360,17 @@ def null_summary(name: str, value: Tensor, null: Tensor) -> dict[str, Tensor]:
 
 def frame_plan(n: int, batch: int, pos: int, n_heads: int, d_head: int) -> tuple[list[slice], bool]:
     """How `AttentionProbe` takes ``n`` float32 frames of a ``(batch, pos)`` input: in
-    chunks of equal size, each holding at most `FRAME_CHUNK_BYTES` (at least one frame a
-    chunk), and whether each block's pattern (`_Block`) is kept for every chunk rather
-    than made again (when they fit in `PATTERN_BYTES`).
+    chunks of equal size, each of at most `FRAMES_PER_CHUNK` frames holding at most
+    `FRAME_CHUNK_BYTES` (at least one frame a chunk), and whether each block's pattern
+    (`_Block`) is kept for every chunk rather than made again (when they fit in
+    `PATTERN_BYTES`).
 
-    One batched product per chunk saves the dispatch of a product per frame; the bound
-    keeps a large model's null from holding every frame's queries and keys at once. A
-    frame holds its tangent and normal queries and keys (and the float64 products they
-    are made from) and its four terms on a block of query rows with their temporaries."""
+    One batched product per chunk saves the dispatch of a product per frame. A frame
+    holds its tangent and normal queries and keys (and the float64 products they are made
+    from) and its four terms on a block of query rows with their temporaries."""
     rows = min(32, pos)  # keep_blocks' rows
     frame = 4 * batch * n_heads * pos * (6 * d_head + 6 * rows)
-    size = max(1, min(n, FRAME_CHUNK_BYTES // frame))
-    size = -(-n // -(-n // size)) if n else 1  # as many chunks, sizes as equal as can be
-    chunks = [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    size = max(1, min(n, FRAMES_PER_CHUNK, FRAME_CHUNK_BYTES // frame))
+    count = -(-n // size)  # as few chunks as the bounds allow, sizes within one frame
+    chunks = [slice(i * n // count, (i + 1) * n // count) for i in range(count)]
     return chunks, len(chunks) > 1 and 40 * batch * n_heads * pos * pos <= PATTERN_BYTES
