@@ -18,12 +18,13 @@ Each repeat times a bare forward+backward of the summed next-token loss, then a 
 in an order that rotates between repeats; ``--old REV`` adds git revision REV's probe
 (loaded from its source, with REV's `ScoreSplit` and `frame_plan` where it has them) at 4
 and 99 frames; ``--chunks 1,6`` adds 99 frames with at most that many frames a batched
-product (`attention_stats.FRAMES_PER_CHUNK`) for each value given. Each time is divided by that repeat's bare
-forward+backward: the median over repeats and the min–max are printed, with the cost of
-one frame ((t₉₉ − t₀)/99 and (t₄ − t₀)/4). Times are the process's CPU time: with one
-torch thread (the default, as the study runs) that is the work done, and other jobs on a
-shared machine move it far less than the wall clock, which is printed too. Compare ratios
-from one run, never seconds across runs; the load average is printed.
+product (`attention_stats.FRAMES_PER_CHUNK`) for each value given. Each time is divided
+by that repeat's bare forward+backward: the median over repeats and the min–max are
+printed, with the cost of one frame ((t₉₉ − t₀)/99 and (t₄ − t₀)/4). Times are the
+process's CPU time: with one torch thread (the default, as the study runs) that is the
+work done, and other jobs on a shared machine move it far less than the wall clock, which
+is printed too. Compare ratios from one run, never seconds across runs; the load average
+is printed.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ deviation, itself estimated from them (relative standard error about 1/âˆš(2(n â
 a handful of frames a head can look extreme because its frames happened to agree. 99
 frames is also the fewest at which the p-value can reach 0.01."""
 
-FRAMES_PER_CHUNK = 6
+FRAMES_PER_CHUNK = 4
 """Frames one batched product takes at most (`frame_plan`): enough that a chunk's own
 work (its projections and rotary, the dispatch of each product and statistic) is small
 beside its frames' arithmetic, few enough that a block's terms and their temporaries stay
