@@ -127,13 +127,13 @@ def test_frame_plan_sizes() -> None:
     chunks, _ = frame_plan(99, 8, 64, 4, 32)
     sizes = [c.stop - c.start for c in chunks]
     assert sum(sizes) == 99 and max(sizes) - min(sizes) <= 1
+    assert chunks[0].start == 0 and all(a.stop == b.start for a, b in pairwise(chunks))
     assert max(sizes) <= attention_stats.FRAMES_PER_CHUNK
     # SmolLM2's shape: a frame is about 10 MiB, so the frame count, not the bytes, binds
     big = frame_plan(99, 4, 128, 9, 64)[0]
     assert max(c.stop - c.start for c in big) == attention_stats.FRAMES_PER_CHUNK
     # a frame over the byte bound still gets a chunk of its own
     assert all(c.stop - c.start == 1 for c in frame_plan(3, 64, 4096, 32, 128)[0])
-    assert chunks[0].start == 0 and all(a.stop == b.start for a, b in pairwise(chunks))
 
 
 def test_p_value_floor_lattice_and_ties() -> None:

@@ -278,8 +278,10 @@ class ScoreSplit:
     def _weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(W_Q, W_K) in ``dtype`` on x's device."""
         if dtype not in self._w:
-            self._w[dtype] = tuple(  # type: ignore[assignment]
-                w.to(self.x.device, dtype) for w in (self.params.W_Q, self.params.W_K)
+            device = self.x.device
+            self._w[dtype] = (
+                self.params.W_Q.to(device, dtype),
+                self.params.W_K.to(device, dtype),
             )
         return self._w[dtype]
 
@@ -449,9 +451,8 @@ def decompose_parts(
     xt = _check_input(x_tangent, params).to(torch.float64)
     split = ScoreSplit(xt + x_normal.to(xt), params, positions=positions, dtype=dtype)
     x_low = xt.to(dtype)
-    return split._parts(lambda i: _project(x_low, split._weights(dtype)[i])[None], dtype).term_dict(
-        0
-    )
+    parts = split._parts(lambda i: _project(x_low, split._weights(dtype)[i])[None], dtype)
+    return parts.term_dict(0)
 
 
 def keep_mask(
