@@ -18,8 +18,8 @@ from torch import Tensor
 
 import tangentlens
 from tangentlens.analysis.heads import TERM_PANELS, head_arrays, plot_heads
-from tangentlens.core.decompose import head_write_energies, random_share_std, z_gram
 from tangentlens.core.errors import BasisSiteWarning, UsageError
+from tangentlens.core.head_writes import head_write_energies, random_share_std, z_gram
 from tangentlens.core.subspace import TangentBasis, uniform_controls
 from tangentlens.hooks.base import get_backend
 from tangentlens.hooks.families import layout

@@ -26,17 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.decompose import (
-    AttentionParams,
-    ScoreSplit,
-    decompose_scores,
-    head_write_energies,
-    keep_blocks,
-    keep_mask,
-    random_share_std,
-    z_gram,
-)
+from ..core.decompose import AttentionParams, ScoreSplit, decompose_scores, keep_blocks, keep_mask
 from ..core.errors import UsageError
+from ..core.head_writes import head_write_energies, random_share_std, z_gram
 from ..core.settings import HEAD_NULL, HEAD_NULL_SEQUENCES
 from ..core.subspace import TangentBasis, normal_controls, shares
 from ..core.validation import check_int
