@@ -4,8 +4,8 @@ benchmarks time both interleaved (one machine state for both) and compare their 
 Only the modules named are loaded from the revision (as ``tangentlens._former_core.*``);
 every other core module is this tree's, so both share `Moments`, the errors and the
 validation, and a former `TangentBasis` is built from this tree's with `basis`.
-`former_probe` loads one probe class of a revision the same way, `former_probes_module` a
-whole module of ``tangentlens/probes``.
+`former_probe` loads one probe class of a revision the same way, with the package modules
+it names loaded from the revision too.
 """
 
 from __future__ import annotations
@@ -60,23 +60,44 @@ def basis(core: types.SimpleNamespace, new_basis: object) -> object:
     )
 
 
-def former_probe(rev: str, module: str, name: str, stop: str) -> type:
+def former_probe(
+    rev: str, module: str, name: str, stop: str, *, beside: tuple[str, ...] = ()
+) -> type:
     """Probe class ``name`` of ``tangentlens/probes/{module}.py`` at git revision ``rev``,
-    its source cut before ``stop`` so that it does not register itself a second time."""
-    return getattr(former_probes_module(rev, module, stop), name)
+    its source cut before ``stop`` so that it does not register itself a second time.
+    ``beside``: package modules (dotted, e.g. ``core.decompose``) that it imports from
+    ``rev`` too, in place of this tree's, each where ``rev`` has it."""
+    saved: dict[str, types.ModuleType | None] = {}
+    try:
+        for dotted in beside:  # in order: a later one may import an earlier one
+            path = f"tangentlens/{dotted.replace('.', '/')}.py"
+            if subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"]).returncode:
+                continue
+            full = f"tangentlens.{dotted}"
+            saved[full] = sys.modules.get(full)
+            sys.modules[full] = _former_module(rev, path, full)
+        probe = _former_module(rev, f"tangentlens/probes/{module}.py", None, stop)
+    finally:  # this tree's modules back; the former ones live on in the probe's names
+        for full, kept in saved.items():
+            if kept is None:
+                sys.modules.pop(full, None)
+            else:
+                sys.modules[full] = kept
+    return getattr(probe, name)
 
 
-def former_probes_module(rev: str, module: str, stop: str | None = None) -> types.ModuleType:
-    """``tangentlens/probes/{module}.py`` at git revision ``rev`` (cut before ``stop``),
-    its relative imports resolved in this tree."""
+def _former_module(
+    rev: str, path: str, name: str | None, stop: str | None = None
+) -> types.ModuleType:
+    """The module at ``path`` of revision ``rev`` (cut before ``stop``), named ``name``
+    (default: a private name beside it), its relative imports resolved in this tree."""
     src = subprocess.run(
-        ["git", "show", f"{rev}:tangentlens/probes/{module}.py"],
-        check=True,
-        capture_output=True,
-        text=True,
+        ["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True
     ).stdout
     src = src if stop is None else src[: src.index(stop)]
-    loaded = types.ModuleType(f"tangentlens.probes._former_{module}")
-    loaded.__package__ = "tangentlens.probes"
-    exec(compile(src, f"{rev}:{module}.py", "exec"), loaded.__dict__)
+    package = path.removesuffix(".py").replace("/", ".").rsplit(".", 1)[0]
+    stem = path.rsplit("/", 1)[-1].removesuffix(".py")
+    loaded = types.ModuleType(name or f"{package}._former_{stem}")
+    loaded.__package__ = package
+    exec(compile(src, f"{rev}:{stem}.py", "exec"), loaded.__dict__)
     return loaded

@@ -16,15 +16,15 @@ it is an encoder. Bases of rank 16 at the attention inputs (`fit_bases`).
 Each repeat times a bare forward+backward of the summed next-token loss, then a forward
 (no grad) inside `probe` with the attention probe alone at ``head_null`` = 0, 4 and 99,
 in an order that rotates between repeats; ``--old REV`` adds git revision REV's probe
-(loaded from its source, with REV's `ScoreSplit` and `frame_plan` where it has them) at 4
-and 99 frames; ``--chunks 1,6`` adds 99 frames with at most that many frames a batched
-product (`attention_stats.FRAMES_PER_CHUNK`) for each value given. Each time is divided
-by that repeat's bare forward+backward: the median over repeats and the min–max are
-printed, with the cost of one frame ((t₉₉ − t₀)/99 and (t₄ − t₀)/4). Times are the
-process's CPU time: with one torch thread (the default, as the study runs) that is the
-work done, and other jobs on a shared machine move it far less than the wall clock, which
-is printed too. Compare ratios from one run, never seconds across runs; the load average
-is printed.
+(loaded from its source, with REV's `core/decompose.py` and `probes/attention_stats.py`
+where it has them) at 4 and 99 frames; ``--chunks 1,6`` adds 99 frames with at most that
+many frames a batched product (`attention_stats.FRAMES_PER_CHUNK`) for each value given.
+Each time is divided by that repeat's bare forward+backward: the median over repeats and
+the min–max are printed, with the cost of one frame ((t₉₉ − t₀)/99 and (t₄ − t₀)/4).
+Times are the process's CPU time: with one torch thread (the default, as the study runs)
+that is the work done, and other jobs on a shared machine move it far less than the wall
+clock, which is printed too. Compare ratios from one run, never seconds across runs; the
+load average is printed.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from collections.abc import Callable
 from unittest import mock
 
 import torch
-from _former import former_core, former_probe, former_probes_module
+from _former import former_probe
 from bench_probes import build  # the native bridge the probe benchmarks share
 
 from tangentlens import models
@@ -126,13 +126,9 @@ def main() -> None:
             size, probed(AttentionProbe(layers, head_null=99, head_null_sequences=None))
         )
     if args.old:
-        former = former_probe(args.old, "attention", "AttentionProbe", "def _inputs")
-        # with that revision's score split and chunk plan too, where it has them
-        scope = former.update.__globals__
-        if "ScoreSplit" in scope:
-            scope["ScoreSplit"] = former_core(args.old, ("decompose",)).decompose.ScoreSplit
-        if "frame_plan" in scope:
-            scope["frame_plan"] = former_probes_module(args.old, "attention_stats").frame_plan
+        # with that revision's score split and statistics (chunk plan included) too
+        same = ("core.decompose", "probes.attention_stats")
+        former = former_probe(args.old, "attention", "AttentionProbe", "def _inputs", beside=same)
         every = (
             {"head_null_sequences": None}
             if "head_null_sequences" in inspect.signature(former).parameters
