@@ -71,7 +71,8 @@ def former_probe(
     try:
         for dotted in beside:  # in order: a later one may import an earlier one
             path = f"tangentlens/{dotted.replace('.', '/')}.py"
-            if subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"]).returncode:
+            missing = ["git", "cat-file", "-e", f"{rev}:{path}"]
+            if subprocess.run(missing, stderr=subprocess.DEVNULL).returncode:
                 continue
             full = f"tangentlens.{dotted}"
             saved[full] = sys.modules.get(full)
