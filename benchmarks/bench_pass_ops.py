@@ -1,7 +1,7 @@
 """Where the probe pass's extra time goes, by kind of operation (torch's profiler).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_pass_ops.py [--repeat 3] [--layers all]
-        [--head-null 0] [--top 12] [--each]
+        [--head-null 0] [--top 12] [--each] [--plumbing N]
 
 On SmolLM2-135M with the default bases of `fit_bases` (rank 16) and the four default
 probes (residual, attention, gradient, weight_gradient), one batch of 4 × 128 tokens: each
@@ -27,7 +27,11 @@ Printed: the unprofiled pass over the bare (median, min–max); the probes' prod
 calls it, unprofiled) with their GFLOP counted from the shapes: the arithmetic the
 statistics need as they are computed; each kind's added time (median, min–max); the
 ``--top`` (op, shapes, dtype) entries with the most added time; with ``--each``, the ops
-each probe alone adds. The profiler costs per op (FLOP counting is left off: it
+each probe alone adds. ``--plumbing N``: passes of N batches, unprofiled, interleaved over
+the repeats: bare, in the session, and in the session with the probes' statistics stubbed
+(`STUBS`: their per-batch updates no-ops, the weight gradient's Grams zeros), so the hooks,
+masks, observations and the weight gradient's bookkeeping are timed apart from the
+statistics. The profiler costs per op (FLOP counting is left off: it
 multiplies that cost), so small ops read slower under it than they run: compare the
 kinds with each other, and the pass with the unprofiled ratio.
 """
@@ -35,19 +39,25 @@ kinds with each other, and the pass with the unprofiled ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
+import tangentlens.probes.weight_gradient as wg
 from tangentlens import models
 from tangentlens.probes import fit_bases, lm_loss, probe
+from tangentlens.probes.attention import AttentionProbe
+from tangentlens.probes.gradient import GradientProbe
+from tangentlens.probes.residual import ResidualProbe
 
 PROBES = ("residual", "attention", "gradient", "weight_gradient")
 BATCH, POS = 4, 128
@@ -61,6 +71,16 @@ KINDS = (
     "outside ops",
 )
 DTYPES = {"float": torch.float32, "double": torch.float64}
+
+STUBS = {  # --plumbing: each probe's per-batch work; None: a no-op, else a zero d × d Gram
+    (ResidualProbe, "update"): None,
+    (AttentionProbe, "update"): None,
+    (GradientProbe, "update"): None,
+    (GradientProbe, "update_gradient"): None,
+    (wg.WeightGradientProbe, "update"): None,
+    (wg, "gradient_gram"): -2,  # G Gᵀ of G (d × out): d × d
+    (wg, "pooled_weight_gram"): -1,  # of X (n × d) and the Δ: d × d
+}
 
 Key = tuple[str, tuple[tuple[int, ...], ...], str]  # (op, input shapes, first input's dtype)
 
@@ -122,6 +142,25 @@ def replayed(calls: Counter) -> dict[str, list[float]]:
     return out
 
 
+@contextlib.contextmanager
+def stubbed() -> Iterator[None]:
+    """`STUBS` in place: the hooks, masks, observations and the weight gradient's
+    bookkeeping still run, the probes' statistics do not (a zero d × d Gram stands in for
+    the weight gradient's products)."""
+
+    def zero_gram(axis: int) -> Callable[..., Tensor]:
+        def gram(x: Tensor, *_: object, **__: object) -> Tensor:
+            return torch.zeros(x.shape[axis], x.shape[axis], dtype=torch.float64)
+
+        return gram
+
+    with contextlib.ExitStack() as stack:
+        for (owner, name), axis in STUBS.items():
+            stand_in = (lambda *_, **__: None) if axis is None else zero_gram(axis)
+            stack.enter_context(mock.patch.object(owner, name, stand_in))
+        yield
+
+
 def kind_of(name: str, dtype: str) -> str:
     if name in PRODUCTS:
         return "probes' products, float64" if dtype == "double" else "probes' products, float32"
@@ -161,6 +200,12 @@ def main() -> None:
     ap.add_argument("--head-null", type=int, default=0, help="the attention probe's frames")
     ap.add_argument("--top", type=int, default=12, help="(op, shapes, dtype) entries to list")
     ap.add_argument("--each", action="store_true", help="also each probe alone, profiled once")
+    ap.add_argument(
+        "--plumbing",
+        type=int,
+        default=0,
+        help="also N batches a pass, unprofiled: the session with its statistics stubbed",
+    )
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     load = os.getloadavg()[0]
@@ -236,6 +281,36 @@ def main() -> None:
             f"{name} alone, profiled once: {sum(added_calls.values())} ops more a pass, "
             f"{(wall_p - wall_b) / wall_b:+.3f} profiled bare passes"
         )
+    if args.plumbing:
+        batches = [torch.randint(0, len(tok), (BATCH, POS), generator=gen)]
+        batches *= args.plumbing
+
+        def passes() -> None:
+            for batch in batches:
+                lm_loss(bridge, batch).backward()
+                bridge.zero_grad(set_to_none=True)
+
+        def session(stub: bool) -> Callable[[], None]:
+            def run() -> None:
+                with (
+                    stubbed() if stub else contextlib.nullcontext(),
+                    probe(bridge, bases, PROBES, layers=layers, head_null=args.head_null),
+                ):
+                    passes()
+
+            return run
+
+        runs = {"bare": passes, "the session": session(False), "stubbed": session(True)}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(args.repeat):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        print(f"{args.plumbing} batches a pass, unprofiled, over the bare (median, min-max):")
+        for name in ("the session", "stubbed"):
+            r = [t / b for t, b in zip(times[name], times["bare"], strict=True)]
+            print(f"  {name:<12} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})")
 
 
 if __name__ == "__main__":
