@@ -216,8 +216,8 @@ def main() -> None:
     ids = torch.randint(0, len(tok), (BATCH, POS), generator=gen)
     bases = fit_bases(bridge, fit, rank=16, layers=layers, progress=False)
 
-    def bare() -> None:
-        lm_loss(bridge, ids).backward()
+    def bare(batch: Tensor = ids) -> None:
+        lm_loss(bridge, batch).backward()
         bridge.zero_grad(set_to_none=True)
 
     ratio: list[float] = []
@@ -282,13 +282,13 @@ def main() -> None:
             f"{(wall_p - wall_b) / wall_b:+.3f} profiled bare passes"
         )
     if args.plumbing:
-        batches = [torch.randint(0, len(tok), (BATCH, POS), generator=gen)]
-        batches *= args.plumbing
+        batches = [
+            torch.randint(0, len(tok), (BATCH, POS), generator=gen) for _ in range(args.plumbing)
+        ]
 
         def passes() -> None:
             for batch in batches:
-                lm_loss(bridge, batch).backward()
-                bridge.zero_grad(set_to_none=True)
+                bare(batch)
 
         def session(stub: bool) -> Callable[[], None]:
             def run() -> None:
