@@ -42,13 +42,13 @@ import argparse
 import contextlib
 import os
 import statistics
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
+from _timing import timed
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -90,9 +90,7 @@ def profiled(fn: Callable[[], None]) -> tuple[float, dict[Key, list[float]]]:
     recorded on this thread (no FLOP counting: it multiplies the profiler's cost per op)."""
     me = None
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
-        start = time.perf_counter()
-        fn()
-        wall = time.perf_counter() - start
+        wall = timed(fn)
     ops: dict[Key, list[float]] = {}
     for e in p.events():
         me = e.thread if me is None else me
@@ -134,11 +132,9 @@ def replayed(calls: Counter) -> dict[str, list[float]]:
             continue
         op, args, gflop = made
         op(*args)
-        start = time.perf_counter()
-        for _ in range(round(n)):
-            op(*args)
-        out[key[2]][0] += time.perf_counter() - start
-        out[key[2]][1] += gflop * round(n)
+        calls_n = round(n)
+        out[key[2]][0] += timed(lambda op=op, args=args, k=calls_n: [op(*args) for _ in range(k)])
+        out[key[2]][1] += gflop * calls_n
     return out
 
 
@@ -228,13 +224,9 @@ def main() -> None:
     for _ in range(args.repeat):
         with probe(bridge, bases, PROBES, layers=layers, head_null=args.head_null):
             bare()  # the session's first batch allocates its state
-            start = time.perf_counter()
-            bare()
-            t_probed = time.perf_counter() - start
+            t_probed = timed(bare)
             wall_p, ops_p = profiled(bare)
-        start = time.perf_counter()
-        bare()
-        bare_s.append(time.perf_counter() - start)
+        bare_s.append(timed(bare))
         ratio.append(t_probed / bare_s[-1])
         wall_b, ops_b = profiled(bare)
         kinds, ops, added_calls = attribute(wall_b, ops_b, wall_p, ops_p)
@@ -304,9 +296,7 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.repeat):
             for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
+                times[name].append(timed(run))
         print(f"{args.plumbing} batches a pass, unprofiled, over the bare (median, min-max):")
         for name in ("the session", "stubbed"):
             r = [t / b for t, b in zip(times[name], times["bare"], strict=True)]
