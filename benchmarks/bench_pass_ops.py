@@ -22,18 +22,21 @@ extra calls are the probes':
 - ``outside ops``: the profiled wall time that no op accounts for (Python: the forward
   hooks and the probes' own code between ops).
 
-Printed: the unprofiled pass over the bare (median, min–max); the probes' products alone
-(each (op, shapes, dtype) they add, replayed on random operands as often as one pass
-calls it, unprofiled) with their GFLOP counted from the shapes: the arithmetic the
-statistics need as they are computed; each kind's added time (median, min–max); the
+Printed: the unprofiled pass over the bare (median, min–max; one pass of each a repeat,
+so it scatters with the one bare pass it divides by: ``--plumbing`` times the pass); the
+probes' products alone (each (op, shapes, dtype) they add, replayed on random operands as
+often as one pass calls it, unprofiled) with their GFLOP counted from the shapes: the
+arithmetic the statistics need as they are computed; each kind's added time (median, min–max); the
 ``--top`` (op, shapes, dtype) entries with the most added time; with ``--each``, the ops
 each probe alone adds. ``--plumbing N``: passes of N batches, unprofiled, interleaved over
 the repeats: bare, in the session, and in the session with the probes' statistics stubbed
 (`STUBS`: their per-batch updates no-ops, the weight gradient's Grams zeros), so the hooks,
 masks, observations and the weight gradient's bookkeeping are timed apart from the
-statistics. The profiler costs per op (FLOP counting is left off: it
-multiplies that cost), so small ops read slower under it than they run: compare the
-kinds with each other, and the pass with the unprofiled ratio.
+statistics, with each kind's minor page faults a batch (the kernel zero-filling fresh
+memory; ``THP_MEM_ALLOC_ENABLE=1`` in the environment puts torch's large CPU buffers on
+huge pages, a fault per 2 MiB instead of per 4 KiB). The profiler costs per op (FLOP
+counting is left off: it multiplies that cost), so small ops read slower under it than
+they run: compare the kinds with each other, and the pass with the unprofiled ratios.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import statistics
 import warnings
 from collections import Counter
@@ -249,8 +253,8 @@ def main() -> None:
         f"bare fwd+bwd {unit:.2f} s"
     )
     print(
-        f"the pass over the bare, unprofiled: {statistics.median(ratio):.2f}x "
-        f"({min(ratio):.2f}-{max(ratio):.2f})"
+        f"the pass over the bare, unprofiled, one of each a repeat: "
+        f"{statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})"
     )
     print("the probes' matrix products alone (random operands, as many calls as a pass):")
     for dtype, (seconds, gflop) in alone.items():
@@ -294,13 +298,23 @@ def main() -> None:
 
         runs = {"bare": passes, "the session": session(False), "stubbed": session(True)}
         times: dict[str, list[float]] = {name: [] for name in runs}
+        faults: dict[str, list[int]] = {name: [] for name in runs}
         for _ in range(args.repeat):
             for name, run in runs.items():
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 times[name].append(timed(run))
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         print(f"{args.plumbing} batches a pass, unprofiled, over the bare (median, min-max):")
         for name in ("the session", "stubbed"):
             r = [t / b for t, b in zip(times[name], times["bare"], strict=True)]
             print(f"  {name:<12} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})")
+        print(
+            "minor page faults a batch (median): "
+            + ", ".join(
+                f"{k} {statistics.median(n) / args.plumbing:,.0f}" for k, n in faults.items()
+            )
+            + f"; THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
+        )
 
 
 if __name__ == "__main__":
