@@ -17,6 +17,7 @@ from tangentlens.hooks import Site, get_backend
 from tangentlens.probes import BasisSet, fit_bases, lm_loss, probe, run
 from tangentlens.probes.activation import FixedSample, Reservoir
 from tangentlens.probes.base import Probe, first_equal
+from tangentlens.probes.session import open_sessions
 
 OPTS = {"n_controls": 50, "progress": False}
 RANK = 4
@@ -336,6 +337,14 @@ def test_a_forward_only_run_stops_after_the_last_layer_it_reads(arch: str) -> No
     assert set(part) == {s for s in full if Site.from_hook_name(s).layer == 0}
     assert all(torch.equal(part[s].basis_, full[s].basis_) for s in part)
     assert torch.isfinite(model(batches[0])).all()
+    # inside another open session, which reads every layer of these passes: whole forwards
+    with probe(model, full, ("residual",)) as outer:
+        assert open_sessions(model) == 1
+        fit_bases(model, batches, rank=2, layers=0, progress=False)
+    assert open_sessions(model) == 0 and hook_counts(model) == before
+    n = outer.results().query("statistic == 'n_tokens'")
+    assert set(n["layer"]) == set(range(model.cfg.n_layers))
+    assert (n["value"] == sum(b.numel() for b in batches)).all()
 
 
 def test_the_last_layer_a_probe_reads() -> None:

@@ -451,6 +451,30 @@ def test_parameters_grad_and_hooks_are_untouched() -> None:
         model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("kind", ["tl", "nnsight"])
+def test_a_graph_kept_past_later_passes_is_not_seen_after_the_session(kind: str) -> None:
+    """A graph built first in the session and backpropagated after it, once later passes
+    have run (its outputs' tensors freed, its hooks alive in the graph): its gradients do
+    not reach the closed session, and no hook of it is left."""
+    arch = "gpt2"
+    model, batches = _model(kind, arch), _batches(arch)
+    bases = _input_bases(model, batches)
+    before = hook_counts(model)
+    try:
+        with probe(model, bases, PROBE, n_controls=10) as session:
+            kept = lm_loss(model, batches[0])
+            lm_loss(model, batches[1]).backward()
+        assert hook_counts(model) == before
+        state = session.probes["weight_gradient"].state_dict()
+        kept.backward()
+        after = session.probes["weight_gradient"].state_dict()
+        assert all(torch.equal(state[k], after[k]) for k in state)
+        passes = session.results().query("statistic == 'n_passes'")["value"]
+        assert len(passes) == 4 and (passes == 1).all()
+    finally:
+        unwrap(model).zero_grad(set_to_none=True)
+
+
 def test_frozen_model_inside_a_user_backward() -> None:
     """On a frozen model the session's embedding leaf carries the gradient to the maps."""
     arch = "gpt2"

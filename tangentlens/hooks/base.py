@@ -10,12 +10,12 @@ Backends register themselves (`register_backend`) when their module is imported;
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from ..core.decompose import AttentionParams
 from .sites import Site
@@ -46,17 +46,19 @@ class Handle(Protocol):
 
 
 class ModuleHandle:
-    """Removes one torch module hook and every tensor hook registered through it (those
-    of tensors still alive), and nothing else."""
+    """Removes one torch module hook and every tensor hook registered through it that a
+    backward could still run, and nothing else."""
 
     def __init__(self, module_handle: Any) -> None:
         self._module_handle: Any = module_handle
-        self._tensor_hooks: list[tuple[weakref.ref, Any]] = []
+        self._tensor_hooks: list[RemovableHandle] = []
 
     def add_tensor_hook(self, tensor: Tensor, fn: Callable[[Tensor], None]) -> None:
-        # Forget hooks of tensors already freed, so a long session holds O(sites) handles.
-        self._tensor_hooks = [(ref, h) for ref, h in self._tensor_hooks if ref() is not None]
-        self._tensor_hooks.append((weakref.ref(tensor), tensor.register_hook(fn)))
+        # Forget hooks whose hook dict is freed, so a long session holds O(sites × graphs
+        # alive) handles. The dict outlives its tensor while a kept graph holds it (a loss
+        # backpropagated after the session): its hook must stay removable, not the tensor.
+        self._tensor_hooks = [h for h in self._tensor_hooks if h.hooks_dict_ref() is not None]
+        self._tensor_hooks.append(tensor.register_hook(fn))
 
     @property
     def alive(self) -> bool:
@@ -66,7 +68,7 @@ class ModuleHandle:
         return _registered(self._module_handle)
 
     def remove(self) -> None:
-        for _, handle in self._tensor_hooks:
+        for handle in self._tensor_hooks:
             handle.remove()
         self._tensor_hooks.clear()
         if self._module_handle is not None:

@@ -30,7 +30,7 @@ from ..models.batches import as_batches, draw_masked, iter_batches, unpack_batch
 from ..version import __version__
 from .base import first_equal
 from .bases import BasisSet, weights_hash
-from .session import ProbeSession
+from .session import ProbeSession, open_sessions
 
 __all__ = ["LOSSES", "fit_bases", "lm_loss", "masked_positions", "mlm_loss", "run"]
 
@@ -192,7 +192,8 @@ def run(
     passes you run yourself), `tangentlens.probes.distributed.run_probe` the same over
     several processes. Without a gradient probe each batch is one forward under
     ``no_grad``, stopped after the deepest layer a probe reads (`Probe.last_layer`): no
-    later block, final norm or unembedding runs for nothing. With one, the loss is
+    later block, final norm or unembedding runs for nothing (inside another open session,
+    which reads every layer of these passes too, the whole forward). With one, the loss is
     differentiated with respect to the embedding output only, so the model's parameters
     keep their ``.grad``.
 
@@ -279,10 +280,11 @@ def _stopped_forward(session: ProbeSession) -> Iterator[None]:
     after the session's own hooks there, by raising `_ForwardDone`: the later blocks, the
     final norm and the unembedding (a large share of a small model with a large
     vocabulary) compute nothing a forward-only probe reads. Without that layer's
-    ``resid_post`` among the backend's sites: the whole forward."""
+    ``resid_post`` among the backend's sites, or inside another open session on the model
+    (whose passes would otherwise stop short of its deeper sites): the whole forward."""
     last = session.last_layer
     site = None if last is None else Site(last, "resid_post")
-    if site is None or site not in session.backend.sites():
+    if site is None or site not in session.backend.sites() or open_sessions(session.model) > 1:
         yield
         return
 

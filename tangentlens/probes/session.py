@@ -20,6 +20,7 @@ the block: gradients arriving after it closes are not seen.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -45,10 +46,19 @@ from .gradient import GradientProbe
 from .registry import Plan
 from .residual import ResidualProbe
 
-__all__ = ["PROBES", "ProbeSession", "probe"]
+__all__ = ["PROBES", "ProbeSession", "open_sessions", "probe"]
 
 PROBES = registry.names()  # the built-in probes; `registry.register` adds more
 _MAX_PENDING = 64  # forward masks kept per site while waiting for their backward pass
+
+
+_OPEN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def open_sessions(model: Any) -> int:
+    """How many probe sessions are open on ``model``, through any wrapper of its module:
+    a forward-only run stops its passes early only where no other session reads them."""
+    return _OPEN.get(unwrap(model, strict=False), 0)
 
 
 def _as_layers(layers: int | Iterable[int] | None, n_layers: int) -> list[int]:
@@ -245,9 +255,16 @@ class ProbeSession:
             self._detach()
             raise
         self._active = True
+        root = unwrap(self.model, strict=False)
+        _OPEN[root] = _OPEN.get(root, 0) + 1
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._active:
+            root = unwrap(self.model, strict=False)
+            _OPEN[root] -= 1
+            if not _OPEN[root]:
+                del _OPEN[root]
         self._detach()
 
     def _attach(self) -> None:
