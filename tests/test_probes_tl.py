@@ -12,6 +12,7 @@ from models import ALL_MODELS, CAUSAL, padded_batch, tl_bridge, tokens
 from torch import Tensor
 
 from tangentlens.analysis.depth import DepthProfile
+from tangentlens.core.errors import UsageError
 from tangentlens.core.subspace import TangentBasis
 from tangentlens.hooks import Site, get_backend
 from tangentlens.probes import BasisSet, fit_bases, lm_loss, probe, run
@@ -340,6 +341,8 @@ def test_a_forward_only_run_stops_after_the_last_layer_it_reads(arch: str) -> No
     # inside another open session, which reads every layer of these passes: whole forwards
     with probe(model, full, ("residual",)) as outer:
         assert open_sessions(model) == 1
+        with pytest.raises(UsageError, match=r"probe\(\)"):
+            outer.__enter__()  # an open session is not entered twice
         fit_bases(model, batches, rank=2, layers=0, progress=False)
     assert open_sessions(model) == 0 and hook_counts(model) == before
     n = outer.results().query("statistic == 'n_tokens'")

@@ -248,7 +248,7 @@ class ProbeSession:
     # .................................................................. hooks
     def __enter__(self) -> ProbeSession:
         if self._active:
-            raise RuntimeError("this session is already open; create a new one with probe().")
+            raise UsageError("this session is already open; create a new one with probe().")
         try:
             self._attach()
         except BaseException:
