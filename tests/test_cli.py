@@ -18,6 +18,7 @@ from models import hf_folder
 from tangentlens.cli import main
 from tangentlens.report import Claim
 from tangentlens.report.claims import VERDICTS
+from tangentlens.report.page import is_report
 
 COMMANDS = ("demo", "probe", "train", "study", "report")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -86,6 +87,8 @@ def test_bad_input_gives_one_line_and_exit_2(
     (corrupt / "results.csv").write_bytes(b"\x00\xff garbage \xfe")
     no_config = tmp_path / "no_config"
     no_config.mkdir()
+    short = tmp_path / "short.txt"
+    short.write_text("In the beginning God created the heaven and the earth.\n")
     capsys.readouterr()  # building the tiny model prints progress
     cases = {
         "report of a missing folder": (["report", str(tmp_path / "missing")], "not a folder"),
@@ -103,7 +106,11 @@ def test_bad_input_gives_one_line_and_exit_2(
             ["study", "--checkpoints", str(tmp_path / "none"), "--out", out], "folder"),
         "layer out of range": (
             ["probe", "--model", tiny, "--layers", "7", "--out", out, "-q", "--tokens", "64",
-             "--seq-len", "16"], "layers"),
+             "--seq-len", "16"], "--layers [7]"),
+        "model that is a file": (["probe", "--model", str(short), "--out", out], str(short)),
+        "corpus too short": (["train", "--quick", "--corpus", str(short), "--out",
+                              str(tmp_path / "trained"), "-q"],
+                             str(short)),
         "window fraction": (["study", "--checkpoints", tiny, "--out", out,
                              "--window-fraction", "0.9"], "fraction"),
         "train into a file": (["train", "--quick", "--out", str(not_a_dir)], "writable"),
@@ -271,6 +278,9 @@ def test_train_an_encoder_per_seed_then_study_the_seeds(
     assert summary["models"] == ["encoder"] and summary["seeds"] == [0, 1]
     assert {c["model"] for c in summary["claims"]} == {"encoder"}
     assert (out / "seed1" / "report.html").is_file()
+    page = out / "report.html"  # the overview, as the demo writes one
+    assert is_report(page)
+    assert all(f'href="seed{s}/report.html"' in page.read_text(encoding="utf-8") for s in (0, 1))
 
 
 def test_probe_data_parallel_equals_one_process(tmp_path: Path) -> None:

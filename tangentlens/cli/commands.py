@@ -57,6 +57,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage block) and exit code 2."""
 
     def error(self, message: str) -> NoReturn:
+        message = message.rstrip(".")  # the package's own messages end in one
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see `{self.prog} --help`.\n")
 
 
@@ -254,7 +255,8 @@ def cmd_study(args: argparse.Namespace) -> int:
         configs, out, world_size=args.world_size, progress=not args.quiet, log=_say
     )
     seconds = time.perf_counter() - start
-    _say(f"\nreports: {out / workflows.SEED_DIR.format('{S}') / 'report.html'} ({seconds:.0f} s)")
+    each = out / workflows.SEED_DIR.format("{S}") / "report.html"
+    _say(f"\nreport: {out / 'report.html'} ({seconds:.0f} s); each seed's: {each}")
     _say(f"summary: {out / workflows.SUMMARY_FILE} (seeds {', '.join(map(str, series))})")
     _print_claims(claims)
     return 0
@@ -323,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         parents=[common],
-        help="train, study and report, fully offline (at most 6 minutes)",
+        help="train, study and report, fully offline (minutes on two CPU cores)",
         description="Train the small model as a decoder and as an encoder, once per seed, "
         "on the embedded corpus (King James Bible), run the study over each checkpoint "
         "series, probe the attention heads, write the verdicts over all seeds "

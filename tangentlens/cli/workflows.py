@@ -46,6 +46,7 @@ from ..core.validation import (
     check_backend,
     check_encoding,
     check_int,
+    check_layers,
     check_rank,
     check_seeds,
     check_seq_len,
@@ -62,7 +63,7 @@ from ..probes.distributed import die_with_parent, run_probe
 from ..probes.driver import fit_bases, run
 from ..report import write_overview, write_report
 from ..report.claims import Claim
-from ..report.render import render_report
+from ..report.render import OVERVIEW_TITLES, render_report
 from ..report.verdicts import paper_claims
 from ..study import Study, StudyConfig
 from ..version import __version__
@@ -154,7 +155,10 @@ def probe_checkpoint(
 ) -> tuple[pd.DataFrame, BasisSet]:
     """Fit rank-``rank`` bases (resid_pre and attention input) on the first half of
     ``blocks`` and probe the second half; returns ``(results, bases)``."""
-    check_rank(rank, get_backend(model).d_model, name="--rank")
+    backend = get_backend(model)
+    check_rank(rank, backend.d_model, name="--rank")
+    if layers is not None:
+        check_layers(layers, backend.n_layers, name="--layers")
     _check_blocks(model, blocks)
     half = blocks.shape[0] // 2
     fit_set = list(blocks[:half].split(batch_size))
@@ -451,7 +455,9 @@ def run_studies(
 ) -> tuple[dict[str, dict[int, pd.DataFrame]], list[Claim]]:
     """One study per seed's series (``{seed: config}``, one design) into
     ``out/seed{S}/``, each with its report, then the claims over every seed's table
-    (`paper_claims`) into ``out/summary.json``; returns ``({kind: {seed: table}}, claims)``.
+    (`paper_claims`) into ``out/summary.json`` and the overview page ``out/report.html``
+    (the claims, each seed's figures and a link to its report, as `demo` writes); returns
+    ``({kind: {seed: table}}, claims)``.
     ``out`` is held for the whole run; each seed's study resumes on its own."""
     if not configs:
         raise UsageError("no series to study; pass --checkpoints")
@@ -460,7 +466,11 @@ def run_studies(
     kinds: dict[int, str] = {}
     series = {str(seed): cfg.checkpoints for seed, cfg in configs.items()}
     with lock_folder(out, "study per seed") as lock:  # its own name: no single study mixes in
-        lock.claim({"series": series}, ("seed*", SUMMARY_FILE), results=("seed*/results.csv",))
+        lock.claim(
+            {"series": series},
+            ("seed*", SUMMARY_FILE, "report.html"),
+            results=("seed*/results.csv",),
+        )
         remove_stale_temporaries(out)
         for n, (seed, cfg) in enumerate(configs.items()):
             folder = out / SEED_DIR.format(seed)
@@ -480,6 +490,9 @@ def run_studies(
         summary = {"claims": [c.to_dict() for c in claims], "models": [kind],
                    "seeds": list(tables), "series": series}  # fmt: skip
         write_json(out / SUMMARY_FILE, summary)
+        folders = {SEED_DIR.format(s): out / SEED_DIR.format(s) for s in tables}
+        title = OVERVIEW_TITLES["study per seed"]
+        write_overview(folders, claims, out / "report.html", title=title)
     return {kind: tables}, claims
 
 

@@ -100,9 +100,10 @@ def check_layers(layers: Any, n_layers: int, name: str = "layers") -> list[int]:
     chosen = [layers] if is_int(layers) else list(layers)
     bad = [layer for layer in chosen if not is_int(layer) or not 0 <= layer < n_layers]
     if bad:
+        every = f"leave {name} out" if name.startswith("--") else f"pass {name}=None"
         raise UsageError(
             f"{name} {bad} do not exist: this model has layers 0..{n_layers - 1} (ints, not "
-            f"bools); pass {name}=None for all."
+            f"bools); {every} for all."
         )
     return sorted({int(layer) for layer in chosen})
 

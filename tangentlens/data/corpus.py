@@ -245,7 +245,8 @@ def token_batches(
     max_chars: int | None = None,
     ids: Tensor | None = None,
 ) -> TokenBatches:
-    """Cut the tokenised corpus (or given ``ids``) into blocks and split them train/probe."""
+    """Cut the tokenised corpus (or given ``ids``, of ``source``, which messages name)
+    into blocks and split them train/probe."""
     seq_len = check_seq_len(seq_len)
     if not 0.0 < probe_fraction < 1.0:
         raise UsageError(f"probe_fraction must be in (0, 1); got {probe_fraction}.")
@@ -254,9 +255,10 @@ def token_batches(
     n_blocks = ids.numel() // seq_len
     n_probe = max(1, math.ceil(probe_fraction * n_blocks))
     if n_blocks - n_probe < 1:
+        corpus = "the corpus" if source is None else f"the corpus {source}"
         raise UsageError(
-            f"the corpus has {ids.numel()} tokens, too few for two blocks of seq_len={seq_len}; "
-            "use a larger corpus or a smaller seq_len."
+            f"{corpus} has {ids.numel()} tokens, too few for two blocks of {seq_len}; use a "
+            "larger corpus (or, from Python, a smaller seq_len)."
         )
     blocks = ids[: n_blocks * seq_len].view(n_blocks, seq_len)
     perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed))

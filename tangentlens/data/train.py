@@ -471,6 +471,7 @@ def _run(config: TrainConfig, out: Path, progress: bool, tokenizer_from: str | P
     check_inputs(out, inputs, config.corpus)
     data = token_batches(
         tokenizer,
+        config.corpus,
         ids=encoded(tokenizer, lines),
         seq_len=config.seq_len,
         probe_fraction=config.probe_fraction,

@@ -312,7 +312,10 @@ def check_model_folder(folder: Path, *, tokenizer: bool = True) -> None:
     safetensors, or (``tokenizer=True``) no tokenizer files."""
     config = folder / "config.json"
     if not config.is_file():
-        raise MissingFileError(f"{folder} is a folder but has no config.json; not an HF model.")
+        raise MissingFileError(
+            f"{folder} is a folder but has no config.json; pass a Hugging Face model folder "
+            "(a checkpoint of `tangentlens train` is one of its step* folders)."
+        )
     settings = read_json(config, dict, fix="restore the model folder")
     if not isinstance(settings.get("model_type"), str):
         raise CorruptFileError(
@@ -391,6 +394,8 @@ def model_folder(name: str) -> Path | str:
         return path
     if is_hub_id(name):
         return name
+    if path.exists():
+        raise UsageError(f"{path} is a file; pass the model folder that holds its config.json.")
     if path.parent != Path(".") and path.parent.is_dir():
         raise MissingFileError(f"model folder {path} does not exist; check the path.")
     raise _unknown_name(name)

@@ -26,12 +26,15 @@ from .claims import Claim
 from .figures import FIGURES
 from .page import MANIFEST_FILE, is_report, write_figures, write_overview, write_report
 
-__all__ = ["FIGURES_RECORD", "SUMMARY_FILE", "render_report", "run_folders"]
+__all__ = ["FIGURES_RECORD", "OVERVIEW_TITLES", "SUMMARY_FILE", "render_report", "run_folders"]
 
 SUMMARY_FILE = "summary.json"
 FIGURES_RECORD = ".tangentlens-figures.json"  # what a page's figure folder holds of ours
 _RUN_MARKERS = ("results.csv", SUMMARY_FILE, MANIFEST_FILE, RECORD_FILE)
-_TITLES = {"demo": "tangentlens demo: decoder and encoder"}
+OVERVIEW_TITLES = {  # by the command that wrote the folder, for its first page and re-renders
+    "demo": "tangentlens demo: decoder and encoder",
+    "study per seed": "tangentlens study: the claims over seeds",
+}
 
 
 def run_folders(folder: Path) -> dict[str, Path]:
@@ -175,7 +178,7 @@ def _render_runs(source: Path, page: Path, own: _FigureFolder | None) -> Path:
             _clear_own_temporaries(figures[name], _figure_names())
             write_figures(run, figures[name])
             written += [f"{name}/{n}" for n in _figure_names() if (figures[name] / n).is_file()]
-    title = _TITLES.get(_writer(source) or "", "tangentlens: the claims over several runs")
+    title = OVERVIEW_TITLES.get(_writer(source) or "", "tangentlens: the claims over several runs")
     _clear_own_temporaries(page.parent, [page.name])
     out = write_overview(runs, claims, page, title=title, figures=figures)
     if own is not None:

@@ -103,6 +103,7 @@ def probe_set(cfg: StudyConfig, series: Any, out: Path) -> tuple[Tensor, Tensor]
     ids = corpus.encoded(tokenizer, corpus.load_lines(cfg.corpus, cfg.max_chars, cfg.encoding))
     data = corpus.token_batches(
         tokenizer,
+        cfg.corpus,
         ids=ids,
         seq_len=cfg.seq_len,
         probe_fraction=cfg.probe_fraction,
