@@ -178,15 +178,15 @@ def test_probe_on_the_real_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_demo_prints_each_claim_from_the_typed_claims(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    """`demo` prints the claims `workflows.demo` returns, one line each: verdict, model,
+    """`demo` prints the claims `cli.demo.demo` returns, one line each: verdict, model,
     gradient object and the paper's words, read from the `Claim` objects."""
-    from tangentlens.cli import workflows
+    from tangentlens.cli import demo
     from tangentlens.report import PAPER, Claim, Estimate
 
     claim = Claim("energy_early", "decoder", "gradient", "gradient_energy_ratio", 4,
                   Estimate(3.0, 2.0, 4.0), "agrees")  # fmt: skip
-    done = workflows.DemoOutcome(pd.DataFrame(), tmp_path / "report.html", 1.0, [claim])
-    monkeypatch.setattr(workflows, "demo", lambda *args, **kwargs: done)
+    done = demo.DemoOutcome(pd.DataFrame(), tmp_path / "report.html", 1.0, [claim])
+    monkeypatch.setattr(demo, "demo", lambda *args, **kwargs: done)
     assert main(["demo", "--quick", "--out", str(tmp_path), "-q"]) == 0
     printed = capsys.readouterr().out
     assert f"  [agrees] decoder, gradient: {PAPER['energy_early']}" in printed.splitlines()
@@ -302,12 +302,12 @@ def test_demo_kinds_side_by_side_give_the_tables_of_the_kinds_in_turn(tmp_path: 
     """`demo(workers=2)` runs the decoder and the encoder in two processes: each on one
     torch thread, exactly, so summary.json and every results table equal those of
     `workers=1`, where the kinds run one after the other in this process."""
-    from tangentlens.cli import workflows
+    from tangentlens.cli.demo import demo
 
     found = {}
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
-        workflows.demo(out, quick=True, seeds=(0,), progress=False, workers=workers)
+        demo(out, quick=True, seeds=(0,), progress=False, workers=workers)
         tables = {
             p.relative_to(out): p.read_bytes() for p in sorted(out.glob("*/seed*/results.csv"))
         }

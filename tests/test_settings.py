@@ -19,14 +19,14 @@ import pytest
 
 import tangentlens.data.train as train_module
 from tangentlens.cli import commands as cli
-from tangentlens.cli import workflows
+from tangentlens.cli import demo, workflows
 from tangentlens.core import settings
 from tangentlens.data.train import TrainConfig
 from tangentlens.probes import registry
 from tangentlens.study import StudyConfig
 
 # the real functions (the tests replace them in their modules with stubs)
-PROBE_MODEL, RUN_STUDY, DEMO = workflows.probe_model, workflows.run_study, workflows.demo
+PROBE_MODEL, RUN_STUDY, DEMO = workflows.probe_model, workflows.run_study, demo.demo
 RENDER_REPORT, TRAIN = workflows.render_report, train_module.train
 
 
@@ -150,7 +150,7 @@ def test_probe_quiet(probe_call: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------- train
 TRAIN_OPTIONS = ("corpus", "encoding", "max_steps", "seed", "objective")  # = TrainConfig field
-SEED_OPTIONS = ("seeds", "n_seeds")  # of `workflows.train_seeds` and `workflows.demo`
+SEED_OPTIONS = ("seeds", "n_seeds")  # of `workflows.train_seeds` and `demo.demo`
 
 
 def _train_call(argv: list[str], monkeypatch: pytest.MonkeyPatch, out: Path) -> dict[str, Any]:
@@ -285,13 +285,13 @@ def test_demo_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     def stub(out: Path, **options: Any) -> None:
         raise Called(out=out, **options)
 
-    monkeypatch.setattr(workflows, "demo", stub)
+    monkeypatch.setattr(demo, "demo", stub)
     got = _run(["demo"], monkeypatch)
     assert _options("demo") == {"out", "quick", "quiet", *SEED_OPTIONS}
     # no --seeds: demo() picks its seeds, the ones the help names (and --quick's)
     assert got["seeds"] is None is _param(DEMO, "seeds")
-    assert workflows.demo_seeds(None, quick=False) == settings.DEMO.seeds.default
-    assert workflows.demo_seeds(None, quick=True) == settings.QUICK_DEMO["seeds"]
+    assert demo.demo_seeds(None, quick=False) == settings.DEMO.seeds.default
+    assert demo.demo_seeds(None, quick=True) == settings.QUICK_DEMO["seeds"]
     quick = settings.shown(settings.QUICK_DEMO["seeds"])
     assert f"(default: {settings.shown(settings.DEMO.seeds.default)}; {quick} with --quick)" in (
         " ".join(_help("demo", "seeds").split())

@@ -273,10 +273,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train a decoder and an encoder, study both, write the verdicts and the report."""
     from . import workflows
+    from .demo import demo
 
     out = Path(args.out).expanduser()
     seeds = _chosen_seeds(args)
-    done = workflows.demo(out, quick=args.quick, seeds=seeds, progress=not args.quiet, log=_say)
+    done = demo(out, quick=args.quick, seeds=seeds, progress=not args.quiet, log=_say)
     _say(f"\ntangentlens demo finished in {done.seconds:.0f} s")
     spent = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in done.timings.items())
     if spent:

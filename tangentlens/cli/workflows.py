@@ -2,8 +2,8 @@
 
 `probe_model` (one model: bases, probes, tables, report), `train_config` and
 `train_seeds` (the small model's checkpoints, one series per seed), `run_study` and
-`run_studies` (the study over a series, or over the seeds of one design), `render_report`
-and `demo` (a decoder and an encoder, several seeds each, all of it, offline).
+`run_studies` (the study over a series, or over the seeds of one design) and
+`render_report`; `tangentlens.cli.demo` runs them all for a decoder and an encoder.
 Seeds are the unit of replication: each seed is its own run in its own ``seed{S}/``
 folder, and the verdicts read every seed's table.
 Each takes keyword options and a ``log`` callable for its one-line progress messages; the
@@ -16,13 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import multiprocessing
-import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +29,7 @@ from ..core import results
 from ..core.errors import MissingFileError, UsageError
 from ..core.files import lock_folder, read_json, remove_stale_temporaries, write_json
 from ..core.settings import (
-    DEMO,
-    DEMO_STUDY,
     PROBE,
-    QUICK_DEMO,
     QUICK_STUDY,
     QUICK_TRAIN,
     STUDY,
@@ -59,7 +52,7 @@ from ..hooks.sites import Site
 from ..models.batches import check_tokens, context_length
 from ..models.loading import is_hub_id, load, quiet_transformers
 from ..probes.bases import BasisSet
-from ..probes.distributed import die_with_parent, run_probe
+from ..probes.distributed import run_probe
 from ..probes.driver import fit_bases, run
 from ..report import write_overview, write_report
 from ..report.claims import Claim
@@ -71,9 +64,6 @@ from ..version import __version__
 __all__ = [
     "CHECKPOINTS_DIR",
     "QUICK_STUDY",
-    "DemoOutcome",
-    "demo",
-    "demo_seeds",
     "probe_checkpoint",
     "probe_model",
     "render_report",
@@ -89,15 +79,13 @@ __all__ = [
 
 CHECKPOINTS_DIR = "checkpoints"
 PROBE_OUTPUTS = ("results.csv", "results.json", "manifest.json", "report.html", "bases", "figures")
-MODEL_KINDS = {"decoder": "causal", "encoder": "masked"}
 SUMMARY_FILE = "summary.json"
-DEMO_OUTPUTS = (*MODEL_KINDS, SUMMARY_FILE, "report.html", "figures")
 SEED_DIR = "seed{}"  # one run of a multi-seed design: OUT/seed{S}/
 _SEED_NAME = re.compile(r"(?:^|[-_/.])seed(\d+)$")  # runs/seed2, EleutherAI/pythia-70m-seed3
 Log = Callable[[str], None]
 
 
-def _quiet(_: str) -> None:
+def quiet(_: str) -> None:
     """The default ``log``: say nothing."""
 
 
@@ -193,7 +181,7 @@ def probe_model(
     world_size: int = PROBE.world_size.default,
     config: dict[str, Any] | None = None,
     progress: bool = True,
-    log: Log = _quiet,
+    log: Log = quiet,
 ) -> tuple[pd.DataFrame, Path]:
     """One model: fit bases, run the probes, write ``results.csv/json``, ``bases/``,
     ``manifest.json`` and ``report.html`` into ``out``, a folder only this probe (same
@@ -323,7 +311,7 @@ def train_seeds(
     *,
     seeds: Sequence[int] | None = TRAIN.seeds.default,
     progress: bool = True,
-    log: Log = _quiet,
+    log: Log = quiet,
 ) -> dict[int, Path]:
     """Train ``config`` into ``out`` (``seeds`` None), or once per seed into
     ``out/seed{S}/`` (`seed_config`); returns ``{seed: folder}``. Each seed's folder is its
@@ -451,7 +439,7 @@ def run_studies(
     *,
     world_size: int = STUDY.world_size.default,
     progress: bool = True,
-    log: Log = _quiet,
+    log: Log = quiet,
 ) -> tuple[dict[str, dict[int, pd.DataFrame]], list[Claim]]:
     """One study per seed's series (``{seed: config}``, one design) into
     ``out/seed{S}/``, each with its report, then the claims over every seed's table
@@ -494,120 +482,3 @@ def run_studies(
         title = OVERVIEW_TITLES["study per seed"]
         write_overview(folders, claims, out / "report.html", title=title)
     return {kind: tables}, claims
-
-
-# ----------------------------------------------------------------------------- demo
-@dataclass(frozen=True)
-class DemoOutcome:
-    """What `demo` produced: the first seed's decoder table, the overview page, the
-    seconds it took, the verdicts, the seeds (of each model kind) and the seconds of work
-    of each step, summed over the model kinds (which may run side by side)."""
-
-    table: pd.DataFrame
-    report: Path
-    seconds: float
-    claims: list[Claim]
-    seeds: tuple[int, ...] = ()
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-def demo_seeds(seeds: Sequence[int] | str | None, quick: bool) -> tuple[int, ...]:
-    """The demo's seeds: ``seeds`` (checked), else `QUICK_DEMO`'s with ``quick``, else
-    `DEMO`'s."""
-    if seeds is None:
-        seeds = QUICK_DEMO["seeds"] if quick else DEMO.seeds.default
-    return check_seeds(seeds, "--seeds")
-
-
-def _demo_kind(
-    out: Path,
-    kind: str,
-    seeds: tuple[int, ...],
-    quick: bool,
-    progress: bool,
-    log: Log,
-    parent: int | None = None,
-) -> tuple[dict[int, pd.DataFrame], dict[str, float]]:
-    """One model kind of the demo, seed after seed: train, study, report. ``parent``: run
-    as a worker process of that pid, which it dies with (`die_with_parent`)."""
-    if parent is not None:
-        die_with_parent(parent)
-    objective, shared, tables = MODEL_KINDS[kind], None, {}
-    design = train_config(quick=quick, objective=objective)
-    timings = {"train_s": 0.0, "study_s": 0.0, "report_s": 0.0}
-    first, n_steps = list(MODEL_KINDS).index(kind) * len(seeds), len(MODEL_KINDS) * len(seeds) + 1
-    for i, seed in enumerate(seeds):
-        folder, step = out / kind / SEED_DIR.format(seed), f"[{first + i + 1}/{n_steps}]"
-        config = seed_config(design, seed, seeds)
-        log(f"{step} {kind} seed {seed}: training ({objective}, {config.max_steps} "
-            f"steps), its study and report → {folder}")  # fmt: skip
-        clock = time.perf_counter()
-        ckpt = train(config, folder / CHECKPOINTS_DIR, progress, tokenizer_from=shared)
-        shared = shared or ckpt / TOKENIZER_DIR
-        timings["train_s"] += time.perf_counter() - clock
-        clock = time.perf_counter()
-        cfg = study_config(str(ckpt), quick=quick, **({} if quick else DEMO_STUDY))
-        study = Study(cfg)
-        tables[seed] = study.run(folder, progress=progress)
-        timings["study_s"] += time.perf_counter() - clock
-        clock = time.perf_counter()
-        title = f"tangentlens demo: {kind}, seed {seed}"
-        write_report(tables[seed], folder / "report.html", manifest=study.manifest, title=title)
-        timings["report_s"] += time.perf_counter() - clock
-    return tables, timings
-
-
-def demo(
-    out: Path,
-    *,
-    quick: bool = False,
-    seeds: Sequence[int] | None = None,
-    progress: bool = True,
-    log: Log = _quiet,
-    workers: int | None = None,
-) -> DemoOutcome:
-    """Train a decoder and an encoder once per seed (`demo_seeds`), study each series,
-    probe their heads, write each a report, then ``summary.json`` (the paper's claims
-    with verdicts from intervals over every seed's table, and the seeds) and
-    ``report.html`` side by side: the whole folder is the demo's.
-
-    ``OUT/{decoder,encoder}/seed{S}/`` holds each run: ``checkpoints/`` and its study.
-    The seeds of a kind share the tokenizer (trained once, copied) and the train/probe
-    split (`seed_config`), so every seed is studied on the same held-out probe set and
-    the corpus is encoded once per kind (`tangentlens.data.corpus.encoded`).
-
-    ``workers``: processes the kinds run in side by side (default: one a kind, up to the CPU
-    count); each trains and studies on one torch thread, exactly, so they give the tables
-    of the kinds in turn; each kind's folder has one writer; the bars are the first kind's."""
-    start = time.perf_counter()
-    out = Path(out).expanduser()
-    seeds = demo_seeds(seeds, quick)
-    kinds, n_steps = list(MODEL_KINDS), len(MODEL_KINDS) * len(seeds) + 1
-    workers = check_int(min(len(kinds), os.cpu_count() or 1) if workers is None else workers,
-                        "workers", minimum=1)  # fmt: skip
-    with lock_folder(out, "demo") as lock:
-        claim = {"quick": bool(quick), "seeds": list(seeds)}
-        lock.claim(claim, DEMO_OUTPUTS, results=("*/seed*/results.csv",))
-        remove_stale_temporaries(out)
-        if workers > 1:
-            context = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(min(workers, len(kinds)), mp_context=context) as pool:
-                jobs = [pool.submit(_demo_kind, out, kind, seeds, quick, progress and not n, log,
-                                    os.getpid()) for n, kind in enumerate(kinds)]  # fmt: skip
-                done = [job.result() for job in jobs]
-        else:
-            done = [_demo_kind(out, kind, seeds, quick, progress, log) for kind in kinds]
-        tables = {kind: found[0] for kind, found in zip(kinds, done, strict=True)}
-        timings = {key: sum(spent[key] for _, spent in done) for key in done[0][1]}  # summed
-        log(f"[{n_steps}/{n_steps}] verdicts over {len(seeds)} seed(s) per kind, and the report")
-        clock = time.perf_counter()
-        claims = paper_claims(tables)
-        summary = {"claims": [c.to_dict() for c in claims], "models": kinds,
-                   "seeds": list(seeds)}  # fmt: skip
-        write_json(out / SUMMARY_FILE, summary)
-        folders = {f"{k}/{SEED_DIR.format(s)}": out / k / SEED_DIR.format(s)
-                   for k in kinds for s in seeds}  # fmt: skip
-        page = write_overview(folders, claims, out / "report.html")
-        timings["verdicts_s"] = time.perf_counter() - clock
-    first = tables["decoder"][seeds[0]]
-    return DemoOutcome(first, page, time.perf_counter() - start, claims, seeds, timings)

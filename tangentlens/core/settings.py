@@ -145,7 +145,7 @@ class StudySettings:
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """`tangentlens demo`: the keyword parameters of `workflows.demo`."""
+    """`tangentlens demo`: the keyword parameters of `cli.demo.demo`."""
 
     seeds: Setting = Setting(
         (0, 1, 2),

@@ -50,9 +50,7 @@ __all__ = ["PROBES", "ProbeSession", "open_sessions", "probe"]
 
 PROBES = registry.names()  # the built-in probes; `registry.register` adds more
 _MAX_PENDING = 64  # forward masks kept per site while waiting for their backward pass
-
-
-_OPEN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_OPEN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # by model module
 
 
 def open_sessions(model: Any) -> int:
