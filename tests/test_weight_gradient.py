@@ -497,6 +497,9 @@ def test_merge_of_two_half_runs_equals_one_run() -> None:
     whole = run(model, batches, bases, PROBE, **OPTS).probes["weight_gradient"]
     first = run(model, batches[:1], bases, PROBE, **OPTS).probes["weight_gradient"]
     second = run(model, batches[1:], bases, PROBE, **OPTS).probes["weight_gradient"]
+    other = _input_bases(model, batches[1:])  # another Q_T: its energies are not these
+    with pytest.raises(UsageError, match="same bases"):
+        first.merge(run(model, batches[1:], other, PROBE, **OPTS).probes["weight_gradient"])
     merged = first.merge(second)
     assert whole.state_dict().keys() == merged.state_dict().keys()
     # groups follow each run's own passes; the totals are what must agree

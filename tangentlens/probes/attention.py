@@ -261,6 +261,14 @@ class AttentionProbe(Probe):
         """The deepest attention input: the head writes' z hooks sit in those layers."""
         return max((site.layer for site in self.layers), default=None)
 
+    def state_bases(self) -> dict[Any, TangentBasis]:
+        """Each site's Q_T and its null frames (drawn from ``seed``): the score split's
+        state is measured against them. The head writes' state is basis-free."""
+        found: dict[Any, TangentBasis] = {site: basis for site, (basis, _) in self.layers.items()}
+        for site, frames in self.null_bases.items():
+            found.update({(site, i): frame for i, frame in enumerate(frames)})
+        return found
+
     def attach(self, backend: Backend) -> list[Handle]:
         """A hook on each write layer's z (`Backend.add_z_hook`)."""
         handles: list[Handle] = []

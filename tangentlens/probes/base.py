@@ -264,15 +264,28 @@ class Probe:
         self._states = {key: make() for key, make in self._factories.items()}
 
     def merge(self, other: Probe) -> Probe:
-        """Fold ``other``'s state (same probe, same sites) into this one; exact."""
+        """Fold ``other``'s state (same probe, same sites, same bases) into this one; exact."""
         if type(other) is not type(self) or set(other._states) != set(self._states):
             raise UsageError(
                 f"cannot merge {type(other).__name__} into {type(self).__name__}: "
                 "merge probes of one kind built on the same sites."
             )
+        mine, theirs = self.state_bases(), other.state_bases()
+        if mine.keys() != theirs.keys() or any(
+            not _same_basis(b, mine[s]) for s, b in theirs.items()
+        ):
+            raise UsageError(
+                f"cannot merge this {type(self).__name__}: its state was measured against "
+                "other bases; merge shards probed with the same bases (one fit_bases result)."
+            )
         for key, state in other._states.items():
             self._states[key].merge(state)
         return self
+
+    def state_bases(self) -> dict[Any, Any]:
+        """The bases the state was measured against, by site (none: a basis-free state):
+        `merge` folds only states measured against the same ones."""
+        return {}
 
     def state_dict(self) -> dict[str, Tensor]:
         return {
@@ -353,6 +366,9 @@ class MomentProbe(Probe):
     def basis_free(self) -> bool:
         """Whether the state depends on no basis (built on sites alone)."""
         return not self.bases
+
+    def state_bases(self) -> dict[Any, Any]:
+        return dict(self.bases)
 
     def compute(self, bases: Mapping[Site, Any] | None = None, **context: Any) -> list[dict]:
         """Results rows of the state against ``bases`` (default: the construction's)."""
