@@ -89,6 +89,8 @@ def test_causal_and_head_effects_report_a_null(llama, one_thread) -> None:
     assert sorted(heads["head"].dropna().unique()) == [0, 1, 2, 3]
     with pytest.raises(UsageError, match="no site with a basis"):
         causal_effects(model, batches, bases, sites=lambda name: False)
+    with pytest.raises(UsageError, match="no token to predict"):  # not a loss change of 0
+        causal_effects(model, [batches[0][:, :1]], bases, n_null=2, progress=False)
 
 
 def test_nulls_share_passes_and_state_their_floor(llama, one_thread) -> None:

@@ -51,6 +51,9 @@ def test_built_in_labels_and_bad_input(one_thread) -> None:
         layerwise_probe(model, batches, bases, "position", site="attn_out", layers=[1])
     with pytest.raises(UsageError, match=r"layers \[5\] do not exist"):
         layerwise_probe(model, batches, bases, "position", layers=[5])
+    ignored = [torch.full_like(b, -100) for b in batches]  # Hugging Face's "ignore" label
+    with pytest.raises(UsageError, match="labels must be integers >= 0"):
+        layerwise_probe(model, batches, bases, ignored, progress=False)
 
 
 def test_balanced_accuracy_and_auc_beside_accuracy_within_0_1(one_thread) -> None:

@@ -152,6 +152,7 @@ def test_grouped_twonn_measures_the_dimension_across_sequences():
         (lambda: M.twonn_dimension(np.random.rand(6, 2), np.ones(6) / 2), "one integer label"),
         (lambda: M.twonn_dimension(np.random.rand(6, 2), [0, 0, 0, 1, 1, 1]), "3 distinct"),
         (lambda: M.twonn_dimension(np.random.rand(6, 2), None, 0.1), "positional"),
+        (lambda: M.twonn_dimension(np.eye(10)), "equally far"),  # every μ = 1: no slope
     ],
 )
 def test_twonn_groups_bad_input(call, match):

@@ -50,6 +50,8 @@ def test_tags_split_a_training_loop_by_step(setup, one_thread) -> None:
     assert ((got.loc[want.index] - want).abs() <= tol).all()
     final = session.results(tag="final")
     assert final.loc[final["statistic"] == "n_tokens", "value"].notna().all()
+    with pytest.raises(UsageError, match="tag='fnal'"):  # a misspelt tag: not basis rows alone
+        session.results(tag="fnal")
     session.reset()
     with pytest.raises(UsageError, match="no forward pass"):
         session.results()

@@ -101,7 +101,12 @@ def _default_metric(model: Any, batch: Any) -> Tensor:
 def _predicted(batch: Any) -> int:
     ids, mask = unpack_batch(batch)
     n = (ids.shape[1] - 1) * ids.shape[0] if mask is None else int(mask[:, 1:].sum())
-    return max(n, 1)
+    if n < 1:  # its loss would be a mean over nothing, read as 0
+        raise UsageError(
+            f"a batch of shape {tuple(ids.shape)} has no token to predict: the default "
+            "metric, the next-token loss, needs sequences of at least 2 tokens."
+        )
+    return n
 
 
 def _per_copy_loss(model: Any, batch: Any, copies: int) -> Tensor:

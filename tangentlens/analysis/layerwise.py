@@ -105,6 +105,11 @@ def _label_tensors(labels: Labels, ids: list[Tensor]) -> list[Tensor]:
                 f"each label tensor must be integer (batch, pos) = {tuple(x.shape)}; "
                 f"got {tuple(lab.shape)} {lab.dtype}."
             )
+        if lab.numel() and int(lab.min()) < 0:  # e.g. -100, Hugging Face's "ignore"
+            raise UsageError(
+                f"labels must be integers >= 0 (classes 0, 1, …); got {int(lab.min())}. "
+                "Give every token a class, or probe a batch without those tokens."
+            )
         out.append(lab.long())
     return out
 

@@ -324,4 +324,10 @@ def twonn_dimension(x: Any, groups: Any | None = None, *, discard_fraction: floa
     mu = mu[:n_keep]
     f_emp = torch.arange(1, n_keep + 1, dtype=torch.float64) / n
     xs, ys = mu.log(), -torch.log1p(-f_emp)
-    return float((xs * ys).sum() / (xs * xs).sum())
+    spread = (xs * xs).sum()
+    if spread == 0:  # the fit's slope is 0/0: μ = 1 has probability 0 at any finite d
+        raise UsageError(
+            "every point's two nearest neighbours are equally far (μ = r₂/r₁ = 1: one-hot "
+            "rows, a lattice, tied distances); TwoNN estimates no dimension from ties."
+        )
+    return float((xs * ys).sum() / spread)

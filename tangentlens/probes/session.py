@@ -454,16 +454,22 @@ class ProbeSession:
         progress = self.progress if progress is None else bool(progress)
         for p in self.probes.values():
             p.progress = progress
+        tags = [
+            k for k in (*self._saved, self._tag) if tag in (None, k[0]) and step in (None, k[1])
+        ]
+        if not tags:
+            known = ", ".join(f"tag={k[0]!r} step={k[1]!r}" for k in (*self._saved, self._tag))
+            raise UsageError(
+                f"no statistics with tag={tag!r} step={step!r}; this session has {known}."
+            )
         # the live statistics are read in place; other tags' are loaded in turn (a copy
         # of the live ones comes back after)
         current = self._state() if self._saved else None
-        tags = {**self._saved, self._tag: current}
         rows: list[dict[str, Any]] = []
         try:
             with compute_threads(threads):
-                for (label, at), state in tags.items():
-                    if (tag is not None and label != tag) or (step is not None and at != step):
-                        continue
+                for label, at in tags:
+                    state = self._saved.get((label, at), current)
                     if state is not None:
                         self._load(state)
                     extra = {k: v for k, v in (("tag", label), ("step", at)) if v is not None}
