@@ -435,6 +435,20 @@ def test_bad_input_names_the_fix(fitted: dict) -> None:
         probe(model, {"blocks.0.hook_resid_pre": q}, ("attention",))
 
 
+def test_gradient_tests_name_what_they_cannot_test() -> None:
+    """Too few gradient vectors, or a rank that leaves ΔIsoScore* under two dimensions: a
+    `UsageError` naming the site or the fix, not a Moments message or missing rows."""
+    model = tl_bridge("gpt2")
+    batches = [tokens("gpt2", seed=s) for s in range(2)]
+    d = model.cfg.d_model
+    wide = fit_bases(model, batches, rank=d - 1, layers=0, progress=False)
+    with pytest.raises(UsageError, match=f"fit with rank <= {d - 2}"):
+        run(model, batches[:1], wide, ("gradient",), progress=False).results()
+    bases = fit_bases(model, batches, rank=2, layers=0, progress=False)
+    with pytest.raises(UsageError, match="hook_resid_pre: one gradient vector"):
+        run(model, [batches[0][:1, :2]], bases, ("gradient",), progress=False).results()
+
+
 # ------------------------------------------------------------------ depth profile
 def _synthetic(energy: list[float], p: list[float]) -> pd.DataFrame:
     rows = []

@@ -177,6 +177,8 @@ class GradientProbe(MomentProbe):
         bases = self.against(bases)
         merged = self.moments()
         sites = [(s, merged[s]) for s in bases if merged[s].count]
+        for site, grads in sites:
+            _check_testable(site, grads, bases[site])
         # two names of one tensor are tested once; distinct sites side by side
         first = first_equal(sites, lambda a, b: _same(a, b, bases))
         order = sorted(set(first))
@@ -247,3 +249,19 @@ def _residual_sites(plan: Plan) -> dict[Site, TangentBasis]:
 register(
     ProbeSpec("gradient", GradientProbe, _residual_sites, options=("n_controls", "zeta"), order=1)
 )
+
+
+def _check_testable(site: Site, grads: Moments, basis: TangentBasis) -> None:
+    """Refuse, naming the site, what `tangent_tests` cannot test: a covariance needs two
+    vectors, and ΔIsoScore* an isotropy of at least two dimensions besides Q_T."""
+    if grads.count < 2:
+        raise UsageError(
+            f"{site.hook_name}: one gradient vector; its tests need at least 2: probe more "
+            "tokens (more sequences, or longer ones)."
+        )
+    if basis.d - basis.k < 2:
+        raise UsageError(
+            f"{site.hook_name}: rank {basis.k} leaves {basis.d - basis.k} dimension of "
+            f"d={basis.d} outside Q_T, where ΔIsoScore* needs 2: fit with rank <= "
+            f"{basis.d - 2}, or drop the gradient probe."
+        )
