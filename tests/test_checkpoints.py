@@ -11,7 +11,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tangentlens import probes
-from tangentlens.core.errors import UnstableBasisWarning
+from tangentlens.core.errors import CorruptFileError, UnstableBasisWarning
 from tangentlens.data.checkpoints import Checkpoint, CheckpointSeries, _hf_loader, parse_step
 from tangentlens.data.corpus import encode, load_lines
 from tangentlens.data.train import TrainConfig, train
@@ -71,6 +71,17 @@ def test_hf_checkpoint_folders_with_parent_tokenizer(run, tmp_path):
     assert series.steps == [0, 8, 16] and series[1].metadata == {}
     loaded = series.load(series.index(8))
     assert len(loaded.tokenizer) == loaded.model.config.vocab_size
+
+
+def test_a_checkpoint_tokenizer_that_does_not_load_names_its_folder(run, tmp_path):
+    """tokenizer.json deleted beside the tokenizer's config: one line naming the folder,
+    not the tokenizer library's error."""
+    series_dir = Path(shutil.copytree(run, tmp_path / "run"))
+    (series_dir / "step8" / "tokenizer.json").unlink()
+    series = CheckpointSeries.from_folder(series_dir)
+    with pytest.raises(CorruptFileError, match="step8") as err:
+        series.load_tokenizer(series.index(8))
+    assert "restore them" in _one_line(err)
 
 
 def test_windows_by_index_and_by_step():

@@ -29,10 +29,11 @@ from tangentlens.analysis.layerwise import layerwise_probe
 from tangentlens.cli import main, workflows
 from tangentlens.core import files
 from tangentlens.core.errors import BasisWeightsWarning, CorruptFileError, UsageError
-from tangentlens.core.files import check_safetensors, read_text_file, remove_stale_temporaries
+from tangentlens.core.files import check_safetensors, remove_stale_temporaries
 from tangentlens.core.stats import Moments
 from tangentlens.core.subspace import TangentBasis
 from tangentlens.core.validation import check_encoding
+from tangentlens.data.corpus import read_text_file
 from tangentlens.data.train import train
 from tangentlens.probes import fit_bases, run
 from tangentlens.probes.bases import BasisSet
@@ -158,10 +159,28 @@ def test_save_tensors_records_the_hash_and_load_hides_it(tmp_path: Path) -> None
     assert check_safetensors(path)["__metadata__"][files.CONTENT_KEY]
     tensors, meta = files.load_tensors(path, verified=True)
     assert meta == {"k": "v"} and tensors["a"].tolist() == [0, 1, 2, 3]
+    header = check_safetensors(path)["__metadata__"]
+    save_file(load_file(str(path)), str(path), metadata={**header, "k": "w"})  # edited beside
+    with pytest.raises(CorruptFileError, match=r"x\.safetensors was changed.*metadata"):
+        files.load_tensors(path)
     save_file({"a": torch.arange(4)}, str(path), metadata={"k": "v"})  # no hash
     assert files.load_tensors(path)[1] == {"k": "v"}
     with pytest.raises(CorruptFileError, match=r"x\.safetensors"):
         files.load_tensors(path, verified=True)
+
+
+def test_checked_json_refuses_an_edit_and_reads_a_file_without_a_digest(tmp_path: Path) -> None:
+    record = {"claims": [{"value": 3.08, "seeds": (0, 1)}], "step": 4}
+    path = files.write_checked_json(tmp_path / "s.json", record)
+    assert files.read_checked_json(path) == {
+        "claims": [{"value": 3.08, "seeds": [0, 1]}],
+        "step": 4,
+    }
+    path.write_text(path.read_text().replace("3.08", "9.08"))
+    with pytest.raises(CorruptFileError, match=r"s\.json was changed"):
+        files.read_checked_json(path)
+    files.write_json(path, {"a": 1})  # another tool's file: no digest to check
+    assert files.read_checked_json(path) == {"a": 1}
 
 
 def test_load_tensors_of_a_folder_names_it(tmp_path: Path) -> None:
@@ -182,6 +201,7 @@ def test_a_part_with_nan_in_its_embedding_names_the_file(
     _tamper(path, nan)
     header = check_safetensors(path)["__metadata__"]
     header[files.CONTENT_KEY] = files.tensor_hash(load_file(str(path)))  # a consistent hash
+    header[files.METADATA_KEY] = files.metadata_hash(header)
     save_file(load_file(str(path)), str(path), metadata=header)
     with pytest.raises(CorruptFileError) as err:
         load_part(path)

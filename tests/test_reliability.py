@@ -134,6 +134,8 @@ def _retensor(path: Path, change: Callable[[dict, dict], None]) -> None:
     change(tensors, header)
     if files.CONTENT_KEY in header:
         header[files.CONTENT_KEY] = files.tensor_hash(tensors)
+    if files.METADATA_KEY in header:
+        header[files.METADATA_KEY] = files.metadata_hash(header)
     save_file(tensors, str(path), metadata=header)
 
 

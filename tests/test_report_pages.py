@@ -15,7 +15,7 @@ from test_report import one_checkpoint, synthetic_results, with_windows
 from tangentlens import report
 from tangentlens.cli import main
 from tangentlens.core import results
-from tangentlens.core.files import RECORD_FILE
+from tangentlens.core.files import RECORD_FILE, write_checked_json
 from tangentlens.report.page import is_report
 from tangentlens.report.render import FIGURES_RECORD
 
@@ -36,7 +36,7 @@ def _several(folder: Path, runs: dict[str, object], command: str) -> Path:
         kind, seed = name.split("/") if "/" in name else ("decoder", name)
         kinds.setdefault(kind, {})[int(seed.removeprefix("seed"))] = table
     claims = report.paper_claims(kinds)
-    (folder / "summary.json").write_text(json.dumps({"claims": [c.to_dict() for c in claims]}))
+    write_checked_json(folder / "summary.json", {"claims": [c.to_dict() for c in claims]})
     writer = {"command": command, "digest": "0" * 64, "config": {}}
     (folder / RECORD_FILE).write_text(json.dumps({"writers": [writer]}))
     return folder
@@ -64,6 +64,19 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _copy(folder: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(folder, tmp_path / folder.name))
+
+
+def test_report_refuses_an_edited_summary(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The claims a page shows are the ones the run wrote: an edited number in
+    summary.json is one line naming the file and exit 2, not a page."""
+    folder = _copy(folders["seeds"], tmp_path)
+    summary = folder / "summary.json"
+    record = json.loads(summary.read_text())
+    record["claims"][0]["early"]["value"] = 9.5
+    summary.write_text(json.dumps(record))
+    assert "summary.json was changed" in _error(["report", str(folder), "-q"], capsys)
 
 
 def _error(argv: list[str], capsys: pytest.CaptureFixture) -> str:

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 from tangentlens.core.errors import CorruptFileError
-from tangentlens.core.files import tensor_hash
+from tangentlens.core.files import read_checked_json, tensor_hash, write_checked_json
 from tangentlens.data import train as train_module
 from tangentlens.data.train import TrainConfig, checkpoint_steps, train
 
@@ -149,10 +149,14 @@ def test_rerun_checks_folders_it_would_rewrite(tiny_run, tmp_path):
     assert (out / "step16" / "model.safetensors").stat().st_mtime_ns == kept
     (out / "train_state.safetensors").unlink()
     shutil.rmtree(out / "step24")
-    meta = json.loads((out / "step8" / "tangentlens.json").read_text())
-    meta["weights_hash"] = "0" * 64
-    (out / "step8" / "tangentlens.json").write_text(json.dumps(meta))
+    meta = read_checked_json(out / "step8" / "tangentlens.json")
+    meta["weights_hash"] = "0" * 64  # as another run's weights would record it
+    write_checked_json(out / "step8" / "tangentlens.json", meta)
     with pytest.raises(CorruptFileError, match="delete the folder"):
+        train(TrainConfig.tiny(), out, progress=False)
+    path = out / "step8" / "tangentlens.json"
+    path.write_text(path.read_text().replace("0" * 64, "1" * 64))  # edited by hand
+    with pytest.raises(CorruptFileError, match=r"tangentlens\.json was changed"):
         train(TrainConfig.tiny(), out, progress=False)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..core.files import lock_folder, remove_stale_temporaries, write_json
+from ..core.files import lock_folder, remove_stale_temporaries, write_checked_json
 from ..core.settings import DEMO, DEMO_STUDY, QUICK_DEMO
 from ..core.validation import check_int, check_seeds
 from ..data.train import TOKENIZER_DIR, train
@@ -152,7 +152,7 @@ def demo(
         claims = paper_claims(tables)
         summary = {"claims": [c.to_dict() for c in claims], "models": kinds,
                    "seeds": list(seeds)}  # fmt: skip
-        write_json(out / SUMMARY_FILE, summary)
+        write_checked_json(out / SUMMARY_FILE, summary)
         folders = {f"{k}/{SEED_DIR.format(s)}": out / k / SEED_DIR.format(s)
                    for k in kinds for s in seeds}  # fmt: skip
         page = write_overview(folders, claims, out / "report.html")

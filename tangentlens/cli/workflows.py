@@ -27,7 +27,13 @@ from torch import Tensor
 
 from ..core import results
 from ..core.errors import MissingFileError, UsageError
-from ..core.files import lock_folder, read_json, remove_stale_temporaries, write_json
+from ..core.files import (
+    lock_folder,
+    read_json,
+    remove_stale_temporaries,
+    write_checked_json,
+    write_json,
+)
 from ..core.settings import (
     PROBE,
     QUICK_STUDY,
@@ -477,7 +483,7 @@ def run_studies(
         claims = paper_claims({kind: tables})
         summary = {"claims": [c.to_dict() for c in claims], "models": [kind],
                    "seeds": list(tables), "series": series}  # fmt: skip
-        write_json(out / SUMMARY_FILE, summary)
+        write_checked_json(out / SUMMARY_FILE, summary)
         folders = {SEED_DIR.format(s): out / SEED_DIR.format(s) for s in tables}
         title = OVERVIEW_TITLES["study per seed"]
         write_overview(folders, claims, out / "report.html", title=title)

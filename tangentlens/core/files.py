@@ -39,6 +39,7 @@ from .errors import CorruptFileError, MissingFileError, UsageError
 __all__ = [
     "CONTENT_KEY",
     "LOCK_FILE",
+    "METADATA_KEY",
     "RECORD_FILE",
     "FolderLock",
     "atomic_folder",
@@ -50,12 +51,14 @@ __all__ = [
     "load_tensors",
     "lock_folder",
     "make_readable",
+    "metadata_hash",
+    "read_checked_json",
     "read_json",
-    "read_text_file",
     "remove_stale_temporaries",
     "save_tensors",
     "tensor_hash",
     "write_bytes",
+    "write_checked_json",
     "write_json",
     "write_text",
 ]
@@ -63,6 +66,8 @@ __all__ = [
 LOCK_FILE = ".tangentlens.lock"
 # the metadata entry of a safetensors file that holds `tensor_hash` of its tensors
 CONTENT_KEY = "content_sha256"
+# and the entry that holds `metadata_hash` of the others (counts, losses, steps)
+METADATA_KEY = "metadata_sha256"
 # what a killed writer leaves: `atomic_write`'s files, `atomic_folder`'s folders, and the
 # ``.tmpXXXXXX`` that safetensors itself writes before renaming onto its target
 TEMPORARIES = (".*.tmp", ".tmp*")
@@ -230,12 +235,33 @@ def write_json(path: str | Path, obj: Any) -> Path:
     return write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def write_checked_json(path: str | Path, obj: Mapping[str, Any]) -> Path:
+    """`write_json` of ``obj`` with `config_digest` of its entries under `CONTENT_KEY`: the
+    numbers the tool reads back from JSON (a summary's claims, a checkpoint's step and
+    loss) are checked by `read_checked_json` as a safetensors file's tensors are."""
+    return write_json(path, {**obj, CONTENT_KEY: config_digest(obj)})
+
+
+def read_checked_json(path: str | Path, *, fix: str = "delete it and re-run") -> dict[str, Any]:
+    """The dict `write_checked_json` wrote, its digest checked and dropped; one without a
+    digest (written by another tool) is read as it is."""
+    found = read_json(path, dict, fix=fix)
+    recorded = found.pop(CONTENT_KEY, None)
+    if recorded is not None and recorded != config_digest(found):
+        raise CorruptFileError(
+            f"{path} was changed after it was written (its entries no longer match their "
+            f"{CONTENT_KEY}: edited or damaged); {fix}."
+        )
+    return found
+
+
 def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> Path:
     """Write ``tensors`` with ``metadata`` and `tensor_hash` of the tensors under
     `CONTENT_KEY`: a file whose structure is intact but whose numbers were edited, or
     re-saved in another dtype, then fails `load_tensors` instead of being reused."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     metadata = {**metadata, CONTENT_KEY: tensor_hash(tensors)}
+    metadata[METADATA_KEY] = metadata_hash(metadata)
     return atomic_write(path, lambda p: save_file(tensors, str(p), metadata=metadata))
 
 
@@ -286,6 +312,12 @@ def load_tensors(
         raise CorruptFileError(
             f"{path} is corrupt or truncated ({err}); delete it and re-create it."
         ) from err
+    described = meta.pop(METADATA_KEY, None)
+    if described is not None and described != metadata_hash(meta):
+        raise CorruptFileError(
+            f"{path} was changed after it was written (its metadata no longer match their "
+            f"{METADATA_KEY}: edited or damaged); delete it to recompute."
+        )
     recorded = meta.pop(CONTENT_KEY, None)
     if recorded is None and verified:
         raise CorruptFileError(
@@ -331,53 +363,6 @@ def _json_kind(value: Any) -> str:
     return kinds.get(type(value), "number")
 
 
-def read_text_file(path: str | Path, encoding: str = "utf-8") -> str:
-    """The text of ``path``, decoded strictly: bytes that are not ``encoding`` or NUL bytes
-    (a binary file) are a `UsageError` naming the file and the fix, never U+FFFD."""
-    path = Path(path)
-    data = path.read_bytes()
-    try:
-        text = data.decode(encoding)
-    except LookupError:
-        raise UsageError(
-            f"unknown text encoding {encoding!r}; pass a Python codec name such as utf-8 or "
-            "latin-1 to --encoding."
-        ) from None
-    except UnicodeDecodeError as err:
-        _refuse_utf16(path, data, encoding)
-        if b"\x00" in data:
-            raise UsageError(
-                f"{path} is a binary file (a NUL byte at offset {data.index(0)}), not text; "
-                "pass a text file."
-            ) from None
-        raise UsageError(
-            f"{path} is not {encoding} text (byte {data[err.start]:#04x} at offset {err.start}); "
-            "convert it to UTF-8, or pass its encoding with --encoding (e.g. latin-1)."
-        ) from None
-    nul = text.find("\x00")
-    if nul >= 0:
-        _refuse_utf16(path, data, encoding)
-        raise UsageError(
-            f"{path} is a binary file (a NUL character at offset {nul}), not text; "
-            "pass a text file."
-        )
-    return text
-
-
-def _refuse_utf16(path: Path, data: bytes, encoding: str) -> None:
-    """A `UsageError` naming ``--encoding utf-16`` for UTF-16 text (a byte-order mark, or
-    NUL bytes at nearly all even or odd offsets: mostly-ASCII text without a mark), which
-    read as ``encoding`` would be called binary."""
-    head = data[:4096]
-    half = len(head) // 2
-    nuls = max(head[0::2].count(0), head[1::2].count(0))
-    if data[:2] in (b"\xff\xfe", b"\xfe\xff") or (half >= 4 and nuls > 0.9 * half):
-        raise UsageError(
-            f"{path} is UTF-16 text, not {encoding}; pass --encoding utf-16 (or convert it "
-            "to UTF-8)."
-        )
-
-
 def dataclass_from_dict(cls: type[T], d: Mapping[str, Any]) -> T:
     """``cls(**d)`` for a config dataclass, refusing unknown keys with a clear message."""
     known = {f.name for f in dataclasses.fields(cls)}
@@ -395,6 +380,12 @@ def tensor_hash(tensors: dict[str, Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
     return h.hexdigest()
+
+
+def metadata_hash(metadata: Mapping[str, str]) -> str:
+    """SHA-256 of a safetensors file's metadata entries but this hash's own (the content
+    hash included): the numbers a file keeps beside its tensors are checked as they are."""
+    return config_digest({k: v for k, v in metadata.items() if k != METADATA_KEY})
 
 
 # ----------------------------------------------------------------------------- one writer

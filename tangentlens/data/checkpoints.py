@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 from ..core.errors import CorruptFileError, MissingFileError, UsageError
-from ..core.files import check_safetensors, read_json, tensor_hash
+from ..core.files import check_safetensors, read_checked_json, read_json, tensor_hash
 from ..core.validation import check_window_fraction
 from ..models import loading as models
 from ..models.loading import TOKENIZER_FILES, check_model_folder, quiet_transformers
@@ -162,7 +162,14 @@ def _hf_tokenizer(checkpoint: Checkpoint) -> Any:
     folder = Path(checkpoint.source)
     for candidate in (folder, folder.parent):
         if any((candidate / f).is_file() for f in TOKENIZER_FILES):
-            return AutoTokenizer.from_pretrained(candidate)
+            try:
+                return AutoTokenizer.from_pretrained(candidate)
+            except (OSError, ValueError) as err:  # a file missing or damaged beside the rest
+                first = (str(err).splitlines() or [type(err).__name__])[0]
+                raise CorruptFileError(
+                    f"the tokenizer files in {candidate} do not load ({first}); restore them "
+                    "from the run's tokenizer/ folder, or delete that checkpoint."
+                ) from err
     return None
 
 
@@ -278,7 +285,7 @@ class CheckpointSeries:
             meta_path = sub / METADATA_FILE
             meta = {}
             if meta_path.is_file():
-                meta = read_json(meta_path, dict, fix="delete that checkpoint or the file")
+                meta = read_checked_json(meta_path, fix="delete that checkpoint or the file")
             found.append(Checkpoint(step, str(sub), None, meta))
         if not found:
             single = (root / "config.json").is_file()

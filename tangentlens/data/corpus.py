@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from ..core.errors import MissingFileError, UsageError
-from ..core.files import read_text_file
 from ..core.validation import check_seq_len
 
 __all__ = [
@@ -270,3 +269,50 @@ def token_batches(
         seq_len=seq_len,
         seed=seed,
     )
+
+
+def read_text_file(path: str | Path, encoding: str = "utf-8") -> str:
+    """The text of ``path``, decoded strictly: bytes that are not ``encoding`` or NUL bytes
+    (a binary file) are a `UsageError` naming the file and the fix, never U+FFFD."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode(encoding)
+    except LookupError:
+        raise UsageError(
+            f"unknown text encoding {encoding!r}; pass a Python codec name such as utf-8 or "
+            "latin-1 to --encoding."
+        ) from None
+    except UnicodeDecodeError as err:
+        _refuse_utf16(path, data, encoding)
+        if b"\x00" in data:
+            raise UsageError(
+                f"{path} is a binary file (a NUL byte at offset {data.index(0)}), not text; "
+                "pass a text file."
+            ) from None
+        raise UsageError(
+            f"{path} is not {encoding} text (byte {data[err.start]:#04x} at offset {err.start}); "
+            "convert it to UTF-8, or pass its encoding with --encoding (e.g. latin-1)."
+        ) from None
+    nul = text.find("\x00")
+    if nul >= 0:
+        _refuse_utf16(path, data, encoding)
+        raise UsageError(
+            f"{path} is a binary file (a NUL character at offset {nul}), not text; "
+            "pass a text file."
+        )
+    return text
+
+
+def _refuse_utf16(path: Path, data: bytes, encoding: str) -> None:
+    """A `UsageError` naming ``--encoding utf-16`` for UTF-16 text (a byte-order mark, or
+    NUL bytes at nearly all even or odd offsets: mostly-ASCII text without a mark), which
+    read as ``encoding`` would be called binary."""
+    head = data[:4096]
+    half = len(head) // 2
+    nuls = max(head[0::2].count(0), head[1::2].count(0))
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff") or (half >= 4 and nuls > 0.9 * half):
+        raise UsageError(
+            f"{path} is UTF-16 text, not {encoding}; pass --encoding utf-16 (or convert it "
+            "to UTF-8)."
+        )

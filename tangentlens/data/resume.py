@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import CorruptFileError, UsageError
-from ..core.files import RECORD_FILE, check_safetensors, lock_folder, read_json
+from ..core.files import (
+    RECORD_FILE,
+    check_safetensors,
+    lock_folder,
+    read_checked_json,
+    read_json,
+)
 from .checkpoints import METADATA_FILE
 
 __all__ = [
@@ -81,7 +87,7 @@ def check_inputs(out: Path, inputs: Mapping[str, str], corpus: str | None) -> No
         )
     for folder in _steps(out):
         if (folder / METADATA_FILE).is_file():
-            meta = read_json(folder / METADATA_FILE, dict, fix="delete that checkpoint and rerun")
+            meta = read_checked_json(folder / METADATA_FILE, fix="delete that checkpoint and rerun")
             records.append((folder, meta))
     for where, record in records:
         if record.get("corpus_sha256", inputs["corpus_sha256"]) != inputs["corpus_sha256"]:

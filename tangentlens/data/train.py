@@ -43,10 +43,12 @@ from ..core.files import (
     dataclass_from_dict,
     load_tensors,
     lock_folder,
+    read_checked_json,
     read_json,
     remove_stale_temporaries,
     save_tensors,
     tensor_hash,
+    write_checked_json,
     write_json,
 )
 from ..core.settings import TRAIN
@@ -573,7 +575,8 @@ def _checkpoint(
     weights_hash = tensor_hash(model.state_dict())
     final = out / f"step{step}"
     if final.is_dir():
-        saved = _read_json(final / METADATA_FILE).get("weights_hash")
+        saved = read_checked_json(final / METADATA_FILE, fix="delete the folder and rerun")
+        saved = saved.get("weights_hash")
         if saved != weights_hash:
             raise CorruptFileError(
                 f"{final} holds other weights than this resumed run produced (changed, or "
@@ -586,7 +589,7 @@ def _checkpoint(
             with quiet_transformers():
                 model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            write_checked_json(tmp / METADATA_FILE, meta)
 
         _atomic_dir(final, fill)
     tensors, opt_meta = _optimizer_tensors(opt)

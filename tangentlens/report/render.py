@@ -21,7 +21,14 @@ import hashlib
 from pathlib import Path
 
 from ..core.errors import MissingFileError, UsageError
-from ..core.files import RECORD_FILE, lock_folder, read_json, remove_stale_temporaries, write_json
+from ..core.files import (
+    RECORD_FILE,
+    lock_folder,
+    read_checked_json,
+    read_json,
+    remove_stale_temporaries,
+    write_json,
+)
 from .claims import Claim
 from .figures import FIGURES
 from .page import MANIFEST_FILE, is_report, write_figures, write_overview, write_report
@@ -151,7 +158,7 @@ def _render_run(source: Path, page: Path, figures: Path | None) -> Path:
 
 def _claims(folder: Path) -> list[Claim]:
     fix = "rerun the command that wrote this folder"
-    record = read_json(folder / SUMMARY_FILE, dict, fix=fix)
+    record = read_checked_json(folder / SUMMARY_FILE, fix=fix)
     found = record.get("claims")
     if not isinstance(found, list) or not all(isinstance(c, dict) for c in found):
         raise UsageError(f"{folder / SUMMARY_FILE} holds no list of claims; {fix}")

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..core.files import read_json
+from ..core.files import read_checked_json
 from ..version import __version__
 from .claims import Claim
 
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"usage: {COMMAND}", file=sys.stderr)
         return 2
     path = Path(args[0]) / "summary.json"
-    summary = read_json(path, expect=dict, fix="run `tangentlens demo` into that folder first")
+    summary = read_checked_json(path, fix="run `tangentlens demo` into that folder first")
     made = time.strftime("%Y-%m-%d", time.gmtime(path.stat().st_mtime))
     sys.stdout.write(results_markdown(summary, made=made, source=args[0]))
     return 0
