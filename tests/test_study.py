@@ -21,7 +21,7 @@ import torch
 from tangentlens import models
 from tangentlens.core import catalogue, results
 from tangentlens.core.errors import CorruptFileError, UsageError
-from tangentlens.core.files import load_tensors, save_tensors
+from tangentlens.core.files import load_tensors, read_checked_json, save_tensors, write_checked_json
 from tangentlens.data import checkpoints
 from tangentlens.data.train import TrainConfig, train
 from tangentlens.hooks.sites import RESIDUAL_KINDS, Site
@@ -619,14 +619,14 @@ def test_a_part_of_retrained_weights_is_recomputed_and_lying_metadata_refused(
         )
     )
     meta = series / "step8" / "tangentlens.json"
-    old = json.loads(meta.read_text())
-    meta.write_text(json.dumps({**old, "weights_hash": "0" * 64}))
+    old = read_checked_json(meta)  # lying, as a consistent writer would record it
+    write_checked_json(meta, {**old, "weights_hash": "0" * 64})
     with pytest.raises(CorruptFileError, match="step8 holds other weights"):
         Study(replace(cfg, checkpoints=str(series))).run(copied)
     # retrained in place: step8 now holds step4's weights, and its metadata says so
     shutil.copy(series / "step4" / "model.safetensors", series / "step8" / "model.safetensors")
     step4 = json.loads((series / "step4" / "tangentlens.json").read_text())["weights_hash"]
-    meta.write_text(json.dumps({**old, "weights_hash": step4}))
+    write_checked_json(meta, {**old, "weights_hash": step4})
     Study(replace(cfg, checkpoints=str(series))).run(copied)
     assert load_part(copied / "parts" / "step8.safetensors").meta["weights_hash"] == step4
 
