@@ -129,6 +129,10 @@ def test_fit_records_the_eigengap():
     degenerate = Moments().update(x[:, :5] @ torch.eye(5, 7, dtype=torch.float64))
     assert TangentBasis.fit(degenerate, rank=5).eigengap_ == math.inf
     assert math.isnan(TangentBasis.fit(degenerate, rank=6).eigengap_)  # not even k vary
+    with pytest.raises(UsageError, match="rank 3 needs at least 4 vectors"):
+        TangentBasis.fit(Moments().update(x[:3]), rank=3)  # 3 vectors: 2 directions at most
+    with pytest.raises(UsageError, match="zero variance"):
+        TangentBasis.fit(Moments().update(torch.ones(4, 5, dtype=torch.float64)), rank=2)
     assert _random_basis(6, 2).eigengap_ is None
 
 

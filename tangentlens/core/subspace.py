@@ -135,9 +135,17 @@ class TangentBasis:
             rank = check_rank(min(rank, d - 1), d)
         else:
             rank = check_rank(rank, d)
+            if rank > moments.count - 1:  # n centred vectors span at most n - 1 directions
+                raise UsageError(
+                    f"rank {rank} needs at least {rank + 1} vectors; these moments hold "
+                    f"{moments.count}, which span at most {moments.count - 1} directions (the "
+                    "rest of Q_T would be arbitrary): fit on more tokens, or a lower rank."
+                )
             # Σλ is the trace, up to the rounding-level negative eigenvalues a full
             # decomposition would clamp; read before `top_eigh` overwrites ``cov``
             total = max(float(torch.trace(cov)), 0.0)
+            if total <= 0:
+                raise UsageError("the activations have zero variance; no subspace to fit.")
             evals, evecs = top_eigh(cov, rank + 1)
             evals = evals.clamp_min(0)
         q = evecs[:, :rank]
