@@ -127,9 +127,7 @@ class TangentBasis:
                 raise UsageError(f"variance must be in (0, 1]; got {variance}.")
             evals, evecs = torch.linalg.eigh(cov)
             evals, evecs = evals.flip(0).clamp_min(0), evecs.flip(1)
-            total = float(evals.sum())
-            if total <= 0:
-                raise UsageError("the activations have zero variance; no subspace to fit.")
+            total = _some_variance(float(evals.sum()))
             cum = torch.cumsum(evals, 0) / total
             rank = int(torch.searchsorted(cum, cum.new_tensor(variance)).item()) + 1
             rank = check_rank(min(rank, d - 1), d)
@@ -143,9 +141,7 @@ class TangentBasis:
                 )
             # Σλ is the trace, up to the rounding-level negative eigenvalues a full
             # decomposition would clamp; read before `top_eigh` overwrites ``cov``
-            total = max(float(torch.trace(cov)), 0.0)
-            if total <= 0:
-                raise UsageError("the activations have zero variance; no subspace to fit.")
+            total = _some_variance(float(torch.trace(cov)))
             evals, evecs = top_eigh(cov, rank + 1)
             evals = evals.clamp_min(0)
         q = evecs[:, :rank]
@@ -387,6 +383,13 @@ def shares(tangent_energy: float, total_energy: float, k: int, d: int) -> dict[s
 
 
 # ---------------------------------------------------------- basis stability
+def _some_variance(total: float) -> float:
+    """The covariance's total variance Σλ, refused when there is none to fit a basis to."""
+    if total <= 0:
+        raise UsageError("the activations have zero variance; no subspace to fit.")
+    return total
+
+
 def _eigengap(lam_k: float, lam_next: float) -> float:
     """λ_k/λ_{k+1}: inf when only k directions vary, NaN when not even k do."""
     if lam_next > 0:
