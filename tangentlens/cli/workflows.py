@@ -62,7 +62,8 @@ from ..probes.distributed import run_probe
 from ..probes.driver import fit_bases, run
 from ..report import write_overview, write_report
 from ..report.claims import Claim
-from ..report.render import OVERVIEW_TITLES, render_report
+from ..report.page import OVERVIEW_TITLES
+from ..report.render import render_report
 from ..report.verdicts import paper_claims
 from ..study import Study, StudyConfig
 from ..version import __version__

@@ -33,12 +33,18 @@ from .table import prepare, ranks, steps
 
 __all__ = [
     "MANIFEST_FILE",
+    "OVERVIEW_TITLES",
     "is_report",
     "load_results",
     "write_figures",
     "write_overview",
     "write_report",
 ]
+
+OVERVIEW_TITLES = {  # by the command that wrote the folder, for its first page and re-renders
+    "demo": "tangentlens demo: decoder and encoder",
+    "study per seed": "tangentlens study: the claims over seeds",
+}
 
 MANIFEST_FILE = "manifest.json"
 _GENERATOR = '<meta name="generator" content="tangentlens">'
@@ -315,7 +321,7 @@ def write_overview(
     claims: list[Claim],
     out_path: str | Path,
     *,
-    title: str = "tangentlens demo: decoder and encoder",
+    title: str = OVERVIEW_TITLES["demo"],
     figures: Mapping[str, Path] | None = None,
 ) -> Path:
     """One self-contained page for several studies side by side: the paper's claims with

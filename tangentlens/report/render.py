@@ -31,17 +31,20 @@ from ..core.files import (
 )
 from .claims import Claim
 from .figures import FIGURES
-from .page import MANIFEST_FILE, is_report, write_figures, write_overview, write_report
+from .page import (
+    MANIFEST_FILE,
+    OVERVIEW_TITLES,
+    is_report,
+    write_figures,
+    write_overview,
+    write_report,
+)
 
-__all__ = ["FIGURES_RECORD", "OVERVIEW_TITLES", "SUMMARY_FILE", "render_report", "run_folders"]
+__all__ = ["FIGURES_RECORD", "SUMMARY_FILE", "render_report", "run_folders"]
 
 SUMMARY_FILE = "summary.json"
 FIGURES_RECORD = ".tangentlens-figures.json"  # what a page's figure folder holds of ours
 _RUN_MARKERS = ("results.csv", SUMMARY_FILE, MANIFEST_FILE, RECORD_FILE)
-OVERVIEW_TITLES = {  # by the command that wrote the folder, for its first page and re-renders
-    "demo": "tangentlens demo: decoder and encoder",
-    "study per seed": "tangentlens study: the claims over seeds",
-}
 
 
 def run_folders(folder: Path) -> dict[str, Path]:
