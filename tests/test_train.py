@@ -15,10 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
-from tangentlens.core.errors import CorruptFileError
+from tangentlens.core.errors import CorruptFileError, UsageError
 from tangentlens.core.files import read_checked_json, tensor_hash, write_checked_json
 from tangentlens.data import train as train_module
 from tangentlens.data.train import TrainConfig, checkpoint_steps, train
+from tangentlens.study.config import open_series
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tangentlens.json")
 MASKED = TrainConfig.tiny(objective="masked", dropout=0.1)  # dropout: the RNG matters
@@ -158,6 +159,21 @@ def test_rerun_checks_folders_it_would_rewrite(tiny_run, tmp_path):
     path.write_text(path.read_text().replace("0" * 64, "1" * 64))  # edited by hand
     with pytest.raises(CorruptFileError, match=r"tangentlens\.json was changed"):
         train(TrainConfig.tiny(), out, progress=False)
+
+
+def test_a_deleted_checkpoint_is_rebuilt_and_the_study_names_it_first(tiny_run, tmp_path):
+    # the state resumes only from the last step: a finished run missing an earlier folder
+    # trains again from step 0, checking the folders it keeps
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_run, out)
+    shutil.rmtree(out / "step8")
+    with pytest.raises(UsageError, match=r"copy lacks the checkpoints of steps \[8\]"):
+        open_series(str(out))
+    kept = (out / "step16" / "model.safetensors").stat().st_mtime_ns
+    train(TrainConfig.tiny(), out, progress=False)
+    assert _hashes(out) == _hashes(tiny_run)
+    assert (out / "step16" / "model.safetensors").stat().st_mtime_ns == kept
+    assert open_series(str(out)).steps == open_series(str(tiny_run)).steps
 
 
 @pytest.mark.parametrize("kill_after", ["step8", "step40"])

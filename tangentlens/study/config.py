@@ -12,7 +12,7 @@ from typing import Any
 
 from ..core.compute import threads
 from ..core.errors import UsageError
-from ..core.files import dataclass_from_dict
+from ..core.files import dataclass_from_dict, read_json
 from ..core.settings import HEAD_NULL, STUDY, ZETA
 from ..core.validation import (
     BACKENDS,
@@ -25,6 +25,8 @@ from ..core.validation import (
     is_int,
 )
 from ..data.checkpoints import CheckpointSeries
+from ..data.resume import CONFIG_FILE
+from ..data.train import TrainConfig
 from ..hooks.sites import RESIDUAL_KINDS
 from ..models.loading import is_hub_id
 from ..probes import registry
@@ -227,4 +229,13 @@ def open_series(source: str) -> Any:
     path = Path(source).expanduser()
     if not path.exists() and is_hub_id(source):
         return CheckpointSeries.from_hub(source)
-    return CheckpointSeries.from_folder(path)
+    series = CheckpointSeries.from_folder(path)
+    if (path / CONFIG_FILE).is_file():  # a `tangentlens train` folder: its schedule is known
+        config = TrainConfig.from_dict(read_json(path / CONFIG_FILE))
+        gone = [s for s in config.steps if s < series.steps[-1] and s not in series.steps]
+        if gone:
+            raise UsageError(
+                f"{path} lacks the checkpoints of steps {gone}, which its training wrote; "
+                "rerun `tangentlens train` with the same options to rebuild them"
+            )
+    return series
