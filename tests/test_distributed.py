@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import torch.distributed as dist
 
 from tangentlens.core.errors import UsageError
 from tangentlens.core.stats import Moments
@@ -64,6 +65,12 @@ def _crashing_worker(rank: int, world_size: int) -> None:
         raise KeyError("planted bug")
 
 
+def _crashing_peer(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise KeyError("planted bug on rank 1")
+    dist.all_reduce(torch.zeros(1))  # rank 0 then fails too, on the lost peer
+
+
 def test_moments_all_reduce_on_two_processes_equals_one_pass():
     out = launch(_moments_worker, 2)
     one = Moments().update(_data())
@@ -78,6 +85,8 @@ def test_launch_reports_a_failing_rank():
         launch(_failing_worker, 2)
     with pytest.raises(RuntimeError, match="planted bug"):  # anything else: RuntimeError
         launch(_crashing_worker, 2)
+    with pytest.raises(RuntimeError, match="planted bug on rank 1"):  # the cause, not its echo
+        launch(_crashing_peer, 2)
 
 
 def _nnsight_model(folder: str):
@@ -105,9 +114,10 @@ def test_run_probe_two_processes_equal_one(tiny_run):
     merged = one.merge(two, on=keys, suffixes=("_one", "_two"), validate="1:1")
     assert len(merged) == len(one) == len(two)
     assert {"score_share_TT", "energy_ratio", "tangent_share", "n_tokens"} <= set(one["statistic"])
-    pd.testing.assert_series_equal(
-        merged["value_one"], merged["value_two"], check_names=False, rtol=TOL, atol=TOL
-    )
+    for column in ("value", "ci_low", "ci_high"):  # the intervals' groups as in one process
+        pd.testing.assert_series_equal(
+            merged[f"{column}_one"], merged[f"{column}_two"], check_names=False, rtol=TOL, atol=TOL
+        )
 
 
 def test_run_probe_refuses_too_few_batches(tiny_run):

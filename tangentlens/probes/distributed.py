@@ -115,8 +115,10 @@ def _worker(
     except BaseException as err:
         if isinstance(err, (UsageError, CorruptFileError, OSError)):  # the user can fix it
             queue.put(("user-error", str(err)))
-        elif rank == 0 or not isinstance(err, Exception):
-            queue.put(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        else:  # every rank's: the first to fail is the cause, the others its echoes
+            queue.put(
+                ("error", f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
+            )
         raise
     finally:
         dist.destroy_process_group()
@@ -254,7 +256,10 @@ def _probe_worker(
     progress = bool(options.pop("progress", False)) and rank == 0
     model = model_factory()
     mine = shard(batches, rank, world_size)
-    session = run(model, mine, bases, probes, progress=progress, **options)
+    first = sum(len(shard(batches, r, world_size)) for r in range(rank))
+    given = options.pop("group_of", None)  # of the global pass index, as in one process
+    group_of = (lambda i: first + i) if given is None else (lambda i: given(first + i))
+    session = run(model, mine, bases, probes, progress=progress, group_of=group_of, **options)
     all_reduce_session(session)
     return session.results() if rank == 0 else None
 
