@@ -14,7 +14,7 @@ from models import tl_bridge, tokens
 from tangentlens.core.subspace import TangentBasis
 from tangentlens.hooks import Site
 from tangentlens.probes import ActivationProbe, GradientProbe, fit_bases, run
-from tangentlens.probes.base import Observation
+from tangentlens.probes.base import BASES_KEY, Observation
 
 KINDS = ("resid_pre", "resid_mid", "resid_post")
 GB = 1e9
@@ -54,7 +54,9 @@ def test_state_bytes_counts_what_is_held(memory):
     for i, site in enumerate(bases):
         probe.update(Observation(site, torch.randn(2, 5, d), group=i))
         probe.update_gradient(Observation(site, torch.randn(2, 5, d), group=i))
-    held = sum(t.nbytes for k, t in probe.state_dict().items() if not k.endswith("/count"))
+    state = probe.state_dict()
+    assert state.pop(BASES_KEY).shape == (32,)  # the bases' digest, not statistics
+    held = sum(t.nbytes for k, t in state.items() if not k.endswith("/count"))
     assert planned == probe.state_bytes(d) == held
 
 

@@ -120,3 +120,32 @@ def test_energies_are_shared_by_the_probes_and_twin_sites(setup, one_thread, mon
     every, n_every = results()
     assert 0 < n_shared < n_every
     assert shared["value"].equals(every["value"])
+
+
+def test_a_saved_state_loads_only_where_it_was_measured(setup, one_thread) -> None:
+    model, batches, bases = setup
+    names = ("residual", "attention", "gradient", "weight_gradient")
+    opts = {**OPTS, "head_null": 5}
+    done = run(model, batches[2:], bases, names, progress=False, **opts)
+    other = fit_bases(model, batches[2:], rank=4, progress=False)  # another Q_T
+    fresh = probe(model, bases, names, **opts)
+    for name, p in done.probes.items():
+        state = p.state_dict()
+        with pytest.raises(UsageError, match="other bases"):  # not silently relabelled
+            probe(model, other, names, **opts).probes[name].load_state_dict(state)
+        fresh.probes[name].load_state_dict(state)
+    # a session given its state, with no pass of its own, reads it back as it was
+    key = ["probe", "site", "layer", "head", "statistic"]
+    want, got = (s.results().set_index(key) for s in (done, fresh))
+    assert want["value"].equals(got.loc[want.index, "value"])
+    seeded = probe(model, bases, names, **{**opts, "seed": 9})  # other null frames
+    with pytest.raises(UsageError, match="other bases"):
+        seeded.probes["attention"].load_state_dict(done.probes["attention"].state_dict())
+    state = done.probes["attention"].state_dict()
+    energy = next(k for k in state if k.endswith("/energy"))
+    for bad in ({energy: state[energy][..., :1]}, {energy: state[energy] * torch.nan}):
+        heads = fresh.probes["attention"]
+        before = heads.state_dict()
+        with pytest.raises(ValueError, match=r"heads|NaN"):  # a usage or a corrupt-file error
+            heads.load_state_dict(state | bad)
+        assert all(torch.equal(t, before[k]) for k, t in heads.state_dict().items())

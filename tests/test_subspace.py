@@ -7,10 +7,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 from tangentlens.core.controls import draw_frames
 from tangentlens.core.errors import CorruptFileError, UsageError
-from tangentlens.core.files import save_tensors
+from tangentlens.core.files import load_tensors, save_tensors
 from tangentlens.core.stats import Moments
 from tangentlens.core.subspace import (
     TangentBasis,
@@ -23,6 +24,8 @@ from tangentlens.core.subspace import (
     tangent_share,
     uniform_controls,
 )
+from tangentlens.hooks.sites import Site
+from tangentlens.probes.bases import BasisSet
 
 
 def _random_basis(d, k, seed=0):
@@ -252,3 +255,17 @@ def test_atomic_files_get_ordinary_permissions(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_basis_file_resaved_without_its_hash_is_refused(tmp_path):
+    b = TangentBasis.fit(Moments().update(torch.randn(300, 8) * torch.arange(1, 9)), rank=2)
+    path = b.save(tmp_path / "basis.safetensors")
+    tensors, meta = load_tensors(path)
+    save_file({k: t.float() for k, t in tensors.items()}, tmp_path / "edited.safetensors", meta)
+    with pytest.raises(CorruptFileError, match=r"edited\.safetensors"):
+        TangentBasis.load(tmp_path / "edited.safetensors")
+    bases = BasisSet({Site(0, "resid_pre"): b})
+    tensors, meta = load_tensors(bases.save(tmp_path / "set.safetensors"))
+    save_file(tensors, tmp_path / "set_edited.safetensors", meta)
+    with pytest.raises(CorruptFileError, match=r"set_edited\.safetensors"):
+        BasisSet.load(tmp_path / "set_edited.safetensors")

@@ -266,7 +266,7 @@ class TangentBasis:
 
     @classmethod
     def load(cls, path: str | Path) -> TangentBasis:
-        tensors, meta = load_tensors(path)
+        tensors, meta = load_tensors(path, verified=True)
         try:
             info = json.loads(meta["tangentlens"])
         except (KeyError, json.JSONDecodeError) as err:

@@ -248,21 +248,33 @@ class AttentionAccumulator:
         return state
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> AttentionAccumulator:
-        if "rows" not in state or "entries" not in state:
-            raise UsageError("state lacks rows/entries; it was not written by state_dict().")
-        self._rows, self._entries = int(state["rows"]), int(state["entries"])
+        counts = [torch.as_tensor(state.get(k, -1)) for k in ("rows", "entries")]
+        if any(c.numel() != 1 or c.is_floating_point() or int(c) < 0 for c in counts):
+            raise CorruptFileError(
+                "the saved state's rows/entries are missing or not counts; it was not "
+                "written by state_dict()."
+            )
+        rows, entries = (int(c) for c in counts)
         if "energy" not in state:
             self._energy = self._kl = None
+            self._rows, self._entries = rows, entries
             return self
+        if "kl" not in state:
+            raise CorruptFileError("the saved state has energies but no KL sums; damaged.")
         energy = torch.as_tensor(state["energy"], dtype=torch.float64)
         kl = torch.as_tensor(state["kl"], dtype=torch.float64)
+        heads = self.n_heads if self.n_heads is not None else energy.shape[-1]
         lead = self._lead
-        if energy.shape[:-1] != (*lead, len(TERMS)) or kl.shape != (*lead, energy.shape[-1]):
-            raise CorruptFileError(
-                f"corrupt state: energy {tuple(energy.shape)}, kl {tuple(kl.shape)} "
-                f"(frames: {self.frames})."
+        if energy.shape != (*lead, len(TERMS), heads) or kl.shape != (*lead, heads):
+            raise UsageError(
+                f"the saved state is energy {tuple(energy.shape)}, kl {tuple(kl.shape)}; this "
+                f"accumulator holds {len(lead) and lead[0]} null frames of {len(TERMS)} terms "
+                f"and {heads} heads: build it as the one that saved it (head_null, the model)."
             )
+        if not bool(torch.isfinite(energy).all() and torch.isfinite(kl).all()):
+            raise CorruptFileError("the saved state holds NaN or Inf: damaged, not a state.")
         self._energy, self._kl = energy.clone(), kl.clone()
+        self._rows, self._entries = rows, entries
         return self
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..core.errors import CorruptFileError, UsageError
+from ..core.files import tensor_hash
 from ..core.results import row  # the probes' row builder, here beside the protocol they follow
 from ..core.stats import Moments, SharedBatch
 from ..core.subspace import TangentBasis
@@ -36,6 +37,7 @@ from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
 
 __all__ = [
+    "BASES_KEY",
     "Mergeable",
     "MomentProbe",
     "Observation",
@@ -150,6 +152,11 @@ class Mergeable(Protocol):
     def all_reduce_(self, group: Any = None) -> Any: ...
 
 
+BASES_KEY = "state_bases_sha256"
+"""The key of a saved probe state that holds the digest of the bases it was measured
+against (`Probe.bases_digest`)."""
+
+
 class Sum:
     """A tensor of sums (energies, counts): merged by addition; float64, or ``dtype``
     (float32 for d×d sums under ``memory="compact"``)."""
@@ -171,12 +178,17 @@ class Sum:
         return {"sum": self.value.detach().cpu().clone()}
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> Sum:
-        value = torch.as_tensor(state.get("sum", torch.empty(0)), dtype=self.value.dtype)
-        if value.shape != self.value.shape or not bool(torch.isfinite(value).all()):
-            raise CorruptFileError(
-                f"a saved sum has shape {tuple(value.shape)} or non-finite values; "
-                f"expected finite {tuple(self.value.shape)}."
+        if "sum" not in state:
+            raise CorruptFileError("the saved state lacks its 'sum'; it was not written here.")
+        value = torch.as_tensor(state["sum"], dtype=self.value.dtype)
+        if value.shape != self.value.shape:
+            raise UsageError(
+                f"the saved sums have shape {tuple(value.shape)}, this probe's "
+                f"{tuple(self.value.shape)}: build it as the probe that saved them was "
+                "(n_groups, head_null, the model's heads)."
             )
+        if not bool(torch.isfinite(value).all()):
+            raise CorruptFileError("the saved sums hold NaN or Inf: damaged, not a state.")
         self.value = value.clone()
         return self
 
@@ -199,6 +211,10 @@ class Probe:
     def __init__(self) -> None:
         self._states: dict[str, Mergeable] = {}
         self._factories: dict[str, Callable[[], Mergeable]] = {}
+        self._bases_digest: Tensor | None = None
+        # whether the state came (in part) from `load_state_dict` or `merge` rather than
+        # this probe's own passes: a session that ran none still has results to give
+        self.loaded = False
 
     # ------------------------------------------------------------------ sites
     @property
@@ -262,6 +278,7 @@ class Probe:
     def reset(self) -> None:
         """Forget everything seen; the sites and options stay."""
         self._states = {key: make() for key, make in self._factories.items()}
+        self.loaded = False
 
     def merge(self, other: Probe) -> Probe:
         """Fold ``other``'s state (same probe, same sites, same bases) into this one; exact."""
@@ -280,6 +297,7 @@ class Probe:
             )
         for key, state in other._states.items():
             self._states[key].merge(state)
+        self.loaded = True
         return self
 
     def state_bases(self) -> dict[Any, Any]:
@@ -287,31 +305,59 @@ class Probe:
         `merge` folds only states measured against the same ones."""
         return {}
 
+    def bases_digest(self) -> Tensor | None:
+        """SHA-256 (32 bytes) of `state_bases`, which a saved state carries under
+        `BASES_KEY` so that it loads only into a probe measuring against the same bases
+        (None: a basis-free state). The bases are fixed at construction: computed once."""
+        bases = self.state_bases()
+        if bases and self._bases_digest is None:
+            named = {repr(site): basis.basis_ for site, basis in bases.items()}
+            digest = bytes.fromhex(tensor_hash(named))
+            self._bases_digest = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        return self._bases_digest if bases else None
+
     def state_dict(self) -> dict[str, Tensor]:
-        return {
+        out = {
             f"{key}/{name}": t.detach().cpu().clone()
             for key, state in self._states.items()
             for name, t in state.state_dict().items()
         }
+        digest = self.bases_digest()
+        return out if digest is None else out | {BASES_KEY: digest.clone()}
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> Probe:
-        """Replace the state by ``state`` (from `state_dict` of the same probe)."""
+        """Replace the state by ``state`` (from `state_dict` of a probe built the same way:
+        sites, options, and the same bases when it was measured against bases)."""
+        name = type(self).__name__
         known = tuple(f"{key}/" for key in self._factories)
-        extra = sorted(k for k in state if not k.startswith(known))
+        extra = sorted(k for k in state if not k.startswith(known) and k != BASES_KEY)
         if extra:
             raise CorruptFileError(
-                f"the saved state holds {extra[:3]}, which this {type(self).__name__} does not "
+                f"the saved state holds {extra[:3]}, which this {name} does not "
                 "hold: load a state saved by a probe built the same way (sites, n_groups)."
             )
+        saved, mine = state.get(BASES_KEY), self.bases_digest()
+        if saved is not None and (mine is None or not torch.equal(torch.as_tensor(saved), mine)):
+            raise UsageError(
+                f"the saved {name} state was measured against other bases than this probe's "
+                "(another Q_T, rank or null frames): load it into a probe built on the bases "
+                "it was saved with."
+            )
+        states = {}
         for key, make in self._factories.items():
             prefix = f"{key}/"
             own = {k.removeprefix(prefix): t for k, t in state.items() if k.startswith(prefix)}
             if not own:
                 raise CorruptFileError(
                     f"the saved state has nothing for {key}; load a state saved by the same "
-                    f"{type(self).__name__} (same sites)."
+                    f"{name} (same sites)."
                 )
-            self._states[key] = make().load_state_dict(own)
+            try:
+                states[key] = make().load_state_dict(own)
+            except (UsageError, CorruptFileError) as err:
+                raise type(err)(f"{name} state {key}: {err}") from err
+        self._states = states  # all or nothing: a refused state leaves this one as it was
+        self.loaded = True
         return self
 
     def all_reduce_(self, group: Any = None, *, d: int | None = None) -> Probe:

@@ -91,7 +91,7 @@ class BasisSet(Mapping[str, TangentBasis]):
     @classmethod
     def load(cls, path: str | Path) -> BasisSet:
         """Read a file written by `save`; anything damaged is a `CorruptFileError`."""
-        tensors, header = load_tensors(path)
+        tensors, header = load_tensors(path, verified=True)
         if "tangentlens_basis_set" not in header:
             raise CorruptFileError(
                 f"{path} is not a saved BasisSet (no tangentlens_basis_set header); "

@@ -426,8 +426,10 @@ class ProbeSession:
         for name, p in self.probes.items():
             if state is None:
                 p.reset()
-            else:
+            else:  # a tag's own passes: not a state given from outside (`Probe.loaded`)
+                given = p.loaded
                 p.load_state_dict(state[name])
+                p.loaded = given
 
     def results(
         self,
@@ -489,13 +491,18 @@ class ProbeSession:
                 "inside `with probe(...)`); its statistics stopped there. Remove only the "
                 "hooks you added (TransformerLens: model.hooks(...) contexts), then rerun."
             )
-        if self._passes < 0 or self._seen["forward"] == 0:
+        given = any(p.loaded for p in self.probes.values())  # a state loaded or merged in
+        if (self._passes < 0 or self._seen["forward"] == 0) and not given:
             raise UsageError(
                 "the probe session saw no forward pass: run the model inside "
                 "`with probe(model, bases) as session:` (or use tangentlens.probes.run)."
             )
         readers = [p for p in self.probes.values() if p.reads_backward]
-        if readers and not self._seen["backward"] and not any(p.saw_backward() for p in readers):
+        if (
+            readers
+            and not self._seen["backward"]
+            and not any(p.saw_backward() or p.loaded for p in readers)
+        ):
             raise UsageError(
                 "the gradient probes saw no backward pass: call loss.backward() inside the "
                 "`with probe(...)` block (or use tangentlens.probes.run), or drop the "
