@@ -25,6 +25,7 @@ from ..core.errors import CorruptFileError, UsageError
 from ..core.files import (
     RECORD_FILE,
     check_safetensors,
+    load_tensors,
     lock_folder,
     read_checked_json,
     read_json,
@@ -39,6 +40,8 @@ __all__ = [
     "check_inputs",
     "inputs_digest",
     "is_started",
+    "missing_steps",
+    "resumable",
     "start_over",
 ]
 
@@ -74,6 +77,27 @@ def _steps(out: Path) -> list[Path]:
 def is_started(out: Path) -> bool:
     """Whether ``out`` holds a checkpoint or a training state (anything a resume keeps)."""
     return (out / STATE_FILE).exists() or bool(_steps(out))
+
+
+def missing_steps(out: Path, steps: list[int], upto: int | None = None) -> list[int]:
+    """The scheduled ``steps`` (up to ``upto``) with no checkpoint folder in ``out``. Such a
+    step is trained again from step 0, which checks every folder kept on the way against
+    the weights it reaches there: the training state resumes only from the last step, so
+    a deleted earlier folder cannot be rebuilt from it."""
+    return [s for s in steps if (upto is None or s <= upto) and not (out / f"step{s}").is_dir()]
+
+
+def resumable(out: Path, steps: list[int]) -> bool:
+    """Whether the training state resumes ``out``: it exists, and no scheduled checkpoint
+    up to its step is missing (else training starts again from step 0). A state without a
+    step is resumable here, so that the resume names the file and the fix."""
+    if not (out / STATE_FILE).exists():
+        return False
+    try:
+        step = int(load_tensors(out / STATE_FILE)[1]["step"])
+    except (KeyError, ValueError):
+        return True
+    return not missing_steps(out, steps, step)
 
 
 def check_inputs(out: Path, inputs: Mapping[str, str], corpus: str | None) -> None:

@@ -72,6 +72,8 @@ from .resume import (
     check_inputs,
     inputs_digest,
     is_started,
+    missing_steps,
+    resumable,
     start_over,
 )
 
@@ -352,11 +354,7 @@ def _lr(config: TrainConfig, step: int) -> float:
 
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
     sd = opt.state_dict()
-    tensors = {
-        f"opt.{pid}.{key}": value
-        for pid, state in sd["state"].items()
-        for key, value in state.items()
-    }
+    tensors = {f"opt.{i}.{key}": v for i, state in sd["state"].items() for key, v in state.items()}
     return tensors, {"param_groups": sd["param_groups"]}
 
 
@@ -433,7 +431,7 @@ def train(
         if restart:
             start_over(out)
         _prepare_out_dir(config, out, lock)
-        if not _missing(config, out):  # finished: if on these inputs
+        if not missing_steps(out, config.steps):  # finished: if on these inputs
             lines = load_lines(config.corpus, config.max_chars, config.encoding)
             check_inputs(out, inputs_digest(lines, out / TOKENIZER_DIR), config.corpus)
             return out
@@ -489,7 +487,7 @@ def _run(config: TrainConfig, out: Path, progress: bool, tokenizer_from: str | P
         model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
     )
     start = 0
-    if (out / STATE_FILE).exists() and not _missing(config, out, upto=_state_step(out)):
+    if resumable(out, config.steps):
         start = _resume(out, model, opt)
 
     schedule = set(config.steps)
@@ -524,23 +522,6 @@ def _run(config: TrainConfig, out: Path, progress: bool, tokenizer_from: str | P
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
     bar.close()
-
-
-def _missing(config: TrainConfig, out: Path, upto: int | None = None) -> list[int]:
-    """The scheduled steps (up to ``upto``) with no checkpoint folder in ``out``. Such a
-    step is trained again from step 0, which checks every folder kept on the way against
-    the weights it reaches there (`_checkpoint`): the training state resumes only from
-    the last step, so a deleted earlier folder cannot be rebuilt from it."""
-    steps = config.steps if upto is None else [s for s in config.steps if s <= upto]
-    return [s for s in steps if not (out / f"step{s}").is_dir()]
-
-
-def _state_step(out: Path) -> int:
-    """The step the training state resumes from (a damaged state: its `_resume` error)."""
-    try:
-        return int(load_tensors(out / STATE_FILE)[1]["step"])
-    except (KeyError, ValueError):
-        return -1  # not resumable: `_resume` names the file and the fix
 
 
 def _resume(out: Path, model: Any, opt: torch.optim.Optimizer) -> int:
