@@ -184,12 +184,15 @@ def test_demo_prints_each_claim_from_the_typed_claims(
     from tangentlens.report import PAPER, Claim, Estimate
 
     claim = Claim("energy_early", "decoder", "gradient", "gradient_energy_ratio", 4,
-                  Estimate(3.0, 2.0, 4.0), "agrees")  # fmt: skip
+                  Estimate(3.0, 2.0, 4.0), "agrees", between=Estimate(3.0, 2.0, 4.0),
+                  p_value=0.01, p_holm=0.04)  # fmt: skip
     done = demo.DemoOutcome(pd.DataFrame(), tmp_path / "report.html", 1.0, [claim])
     monkeypatch.setattr(demo, "demo", lambda *args, **kwargs: done)
     assert main(["demo", "--quick", "--out", str(tmp_path), "-q"]) == 0
-    printed = capsys.readouterr().out
-    assert f"  [agrees] decoder, gradient: {PAPER['energy_early']}" in printed.splitlines()
+    printed = capsys.readouterr().out.splitlines()
+    at = printed.index(f"  [agrees] decoder, gradient: {PAPER['energy_early']}")
+    # the number and the test the verdict turns on, as the page shows them
+    assert "3 [2, 4]" in printed[at + 1] and "p 0.01, Holm-adjusted 0.04" in printed[at + 1]
 
 
 def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -62,6 +62,29 @@ def test_between_seed_interval_is_the_t_interval_over_seeds() -> None:
     assert t_interval([1.0]) is None
 
 
+def test_the_comparison_shows_the_difference_it_tests() -> None:
+    """Decoder against encoder over seeds: the number shown is Welch's decoder − encoder
+    (the tested one), each model's own mean beside it."""
+    from scipy import stats
+
+    dec, enc = (3.0, 2.5, 3.5), (1.2, 1.0, 1.5, 1.1)
+    tables = {
+        "decoder": {s: _seed_table(v, -1.0) for s, v in enumerate(dec)},
+        "encoder": {s: _seed_table(v, -0.1) for s, v in enumerate(enc)},
+    }
+    pair = next(c for c in report.paper_claims(tables) if c.name == "encoders_weaker")
+    welch = stats.ttest_ind(dec, enc, equal_var=False)
+    low, high = welch.confidence_interval(0.95)
+    assert pair.estimate == pair.between
+    assert pair.estimate.value == pytest.approx(sum(dec) / 3 - sum(enc) / 4)
+    assert (pair.estimate.low, pair.estimate.high) == pytest.approx((low, high))
+    assert pair.p_value == pytest.approx(welch.pvalue)
+    numbers = pair.numbers()
+    assert list(numbers) == ["difference", "decoder", "encoder"]
+    assert numbers["decoder"].value == pytest.approx(3.0)  # the decoder's own early ratio
+    assert pair.measured.startswith(str(pair.between))
+
+
 def test_one_seed_only_suggests() -> None:
     """A bare table is one seed: its intervals cover probe tokens, so nothing is stronger
     than "suggests"; the same numbers over three near-identical seeds decide."""

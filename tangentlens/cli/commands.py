@@ -292,9 +292,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _print_claims(claims: Sequence[Any]) -> None:
-    _say("\nthe paper's claims, verdicts from 95 % intervals:")
+    _say("\nthe paper's claims (verdicts from 95 % intervals; over seeds, Holm-adjusted tests):")
     for c in claims:
         _say(f"  [{c.verdict}] {c.model}, {c.gradient_object}: {c.paper}")
+        test = c.describe_test()
+        _say(f"      {c.measured} (over {c.interval_covers}{f'; test: {test}' if test else ''})")
 
 
 # ----------------------------------------------------------------------------- parser

@@ -40,7 +40,7 @@ _TESTED = {
     "energy_late": "difference",
     "frequency": "last",
     "isotropy": "early",
-    "encoders_weaker": "decoder",
+    "encoders_weaker": "difference",
 }
 # the order numbers are shown in (a difference after the two windows it compares; the
 # frequency claim's other embedding centres after the weighted one, "last")
@@ -237,7 +237,7 @@ class Claim:
         elif self.name == "isotropy":
             text = f"ΔIsoScore*: remove Q_T minus a normal control, early window, {ci}"
         else:
-            text = f"Early {ratio.lower()}, decoder vs encoder ({obj}), {ci}"
+            text = f"Early {ratio.lower()}, decoder − encoder ({obj}), {ci}"
         return f"{text} (rank {self.rank})"
 
     @property
@@ -250,6 +250,10 @@ class Claim:
         if self.name == "frequency":
             others = [f"{k} {v}" for k, v in self.numbers().items() if k != "last" and v]
             text += "".join(f"; {o}" for o in others)
+        if self.name == "encoders_weaker":  # decoder − encoder, then each model's own
+            if self.between is None:  # one seed each: no interval for the difference
+                text = f"{self.estimate.value:.3g}"
+            text += "".join(f"; {k} {v}" for k, v in self.context if v is not None)
         if self.strength is not None:
             text += f"; {self.strength} (τ = {self.threshold:g})"
         return text

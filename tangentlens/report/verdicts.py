@@ -270,8 +270,9 @@ def _first(seeds: Seeds) -> pd.DataFrame:
 def _frequency(model: str, seeds: Seeds, rank: int) -> _Draft | None:
     """Frequency vs distance at the last checkpoint, one Pearson r per embedding centre
     (Fisher intervals per seed); the claim holds only where every centre's does. Its
-    p-value is the largest of the centres' (all must hold, so the intersection–union
-    test's p is the largest)."""
+    p-value is the largest of the centres' two-sided ones: the intersection–union test
+    that every centre's r differs from 0, whose sides then decide agrees, disagrees or
+    centre-dependent (which centre decides the sign is itself what the claim asks)."""
     centres = {c: [_last(t, f"pearson_{c}") for t in seeds.values()] for c in _CENTRES}
     centres = {c: v for c, v in centres.items() if any(e is not None for e in v)}
     if "weighted" not in centres:
@@ -317,16 +318,17 @@ def _compare(
         d, e = dec.claim, enc.claim
         found = welch_interval(dec.values, enc.values)
         between = None if found is None else Estimate(*found)
-        context: tuple[tuple[str, Estimate | None], ...] = (("encoder", e.estimate),)
-        if between is not None:
-            context += (("difference", between),)
+        # the tested number: Welch's difference across seeds; with one seed per model the
+        # test is whether the token intervals are disjoint, so the difference has none
+        shown = between or Estimate(d.estimate.value - e.estimate.value, math.nan, math.nan)
+        context = (("decoder", d.estimate), ("encoder", e.estimate))
         panels = {
             m: _panel_values(tables[m], obj, d.rank, fraction, "early")
             for m in ("decoder", "encoder")
         }
         claim = Claim(
             "encoders_weaker", "decoder vs encoder", obj, f"{obj}_{_RATIO[obj]}", d.rank,
-            d.estimate, "inconclusive", context, per_seed=d.per_seed + e.per_seed,
+            shown, "inconclusive", context, per_seed=d.per_seed + e.per_seed,
             between=between, panel=_panel(panels, 0.0, True),
             p_value=welch_p_value(dec.values, enc.values),
             scope=f"decoder: {d.scope}; encoder: {e.scope}" if d.scope else "",
