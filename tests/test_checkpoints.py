@@ -91,8 +91,10 @@ def test_windows_by_index_and_by_step():
     assert series.windows(by="index") == {"early": [0, 1, 2], "late": [4, 5, 6]}
     # never overlapping, even when half of an odd count rounds up
     assert series.windows(0.5, by="index") == {"early": [0, 1, 2], "late": [4, 5, 6]}
-    with pytest.raises(ValueError, match="share steps"):  # by step, 0.5 meets at step 16
+    with pytest.raises(ValueError, match="--window-fraction"):  # 0.5 by step: 16 in both
         series.windows(0.5)
+    even = _fake_series(5, [0, 2, 4, 6, 8])  # the midpoint is early's alone
+    assert even.windows(0.5) == {"early": [0, 1, 2], "late": [3, 4]}
     with pytest.raises(ValueError, match="share steps"):
         series.windows(early=(0, 8), late=(8, 32))
     ranged = series.windows(early=(0, 1), late=(10, 100), by="index")

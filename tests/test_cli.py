@@ -244,6 +244,11 @@ def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixt
         assert mine[mine["probe"] == "window"]["value"].tolist() == (
             demo[demo["probe"] == "window"]["value"].tolist()
         )
+    # seeds of two designs: refused before any study, naming the series and the setting
+    mixed = [ckpt, str(out / "encoder" / "seed1" / "checkpoints")]
+    assert main(["study", "--quick", "--checkpoints", *mixed, "--out", str(tmp_path / "mix")]) == 2
+    err = capsys.readouterr().err
+    assert mixed[1] in err and "train objective" in err and not (tmp_path / "mix").exists()
     assert main(["study", "--quick", "--checkpoints", ckpt, "--out", str(decoder), "-q"]) == 0
     assert "paper:" in capsys.readouterr().out
     (decoder / "report.html").unlink()

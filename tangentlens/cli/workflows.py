@@ -66,6 +66,7 @@ from ..report.page import OVERVIEW_TITLES
 from ..report.render import render_report
 from ..report.verdicts import paper_claims
 from ..study import Study, StudyConfig
+from ..study.config import open_series
 from ..version import __version__
 
 __all__ = [
@@ -440,6 +441,41 @@ def series_seeds(checkpoints: Sequence[str]) -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
+_SEED_KEYS = ("checkpoints", "seed", "train seed", "train split_seed")
+
+
+def _one_design(configs: Mapping[int, StudyConfig]) -> None:
+    """Refuse seeds of different designs before any study runs: an interval over seeds
+    pools replications of one training design, studied one way. Their series must have
+    checkpoints at the same steps, and their study and training settings must agree but
+    for the series, the seed and the seed of the held-out split (a run trained on its own
+    draws its split from its seed; other text to probe is part of what a seed varies)."""
+
+    def settings(cfg: StudyConfig) -> dict[str, Any]:
+        trained = {f"train {k}": v for k, v in _train_record(cfg.checkpoints).items()}
+        found = cfg.to_dict() | trained
+        return {k: v for k, v in found.items() if k not in _SEED_KEYS}
+
+    (_, first), *rest = configs.items()
+    mine, steps = settings(first), open_series(first.checkpoints).steps
+    for seed, cfg in rest:
+        theirs = settings(cfg)
+        differ = sorted(k for k in mine.keys() | theirs.keys() if theirs.get(k) != mine.get(k))
+        if differ:
+            raise UsageError(
+                f"--checkpoints {cfg.checkpoints} (seed {seed}) was trained or is studied with "
+                f"other settings than {first.checkpoints} ({differ}); pass the seeds of one "
+                "design (`tangentlens train --seeds` writes them) and study others apart"
+            )
+        found = open_series(cfg.checkpoints).steps
+        if found != steps:
+            raise UsageError(
+                f"--checkpoints {cfg.checkpoints} (seed {seed}) has checkpoints at steps "
+                f"{found}, {first.checkpoints} at {steps}; pass the seeds of one design "
+                "(the same training length and schedule)"
+            )
+
+
 def run_studies(
     configs: Mapping[int, StudyConfig],
     out: Path,
@@ -456,6 +492,7 @@ def run_studies(
     ``out`` is held for the whole run; each seed's study resumes on its own."""
     if not configs:
         raise UsageError("no series to study; pass --checkpoints")
+    _one_design(configs)
     out = Path(out).expanduser()
     tables: dict[int, pd.DataFrame] = {}
     kinds: dict[int, str] = {}
@@ -481,7 +518,8 @@ def run_studies(
                 f"the series mix decoders and encoders ({kinds}); study each design on its own"
             )
         kind = next(iter(kinds.values()))
-        claims = paper_claims({kind: tables})
+        fraction = next(iter(configs.values())).window_fraction  # the panel's, as the study's
+        claims = paper_claims({kind: tables}, window_fraction=fraction)
         summary = {"claims": [c.to_dict() for c in claims], "models": [kind],
                    "seeds": list(tables), "series": series}  # fmt: skip
         write_checked_json(out / SUMMARY_FILE, summary)

@@ -206,7 +206,7 @@ def window_indices(
         first, last = steps[0], steps[-1]
         span = fraction * (last - first)
         early_n = sum(s <= first + span for s in steps)
-        late_n = sum(s >= last - span for s in steps)
+        late_n = sum(s >= last - span and s > first + span for s in steps)  # 0.5: disjoint
         # a window holds at least two checkpoints: the two nearest its end of training
         early_n, late_n = max(early_n, min(2, n // 2)), max(late_n, min(2, n // 2))
         return {"early": list(range(early_n)), "late": list(range(n - late_n, n))}
@@ -395,7 +395,9 @@ class CheckpointSeries:
         shared = sorted(self.steps[i] for i in set(out["early"]) & set(out["late"]))
         if shared:
             raise UsageError(
-                f"the early and late windows share steps {shared}; give disjoint step ranges."
+                f"the early and late windows share steps {shared} (fraction={fraction} by "
+                f"{by}, early {early}, late {late}): lower the fraction (--window-fraction) or "
+                "give disjoint step ranges (--early/--late)."
             )
         return out
 
