@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -228,6 +229,20 @@ def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixt
             assert (folder / "report.html").read_text().count("data:image/png;base64,") == 6
         assert len(probe_sets) == 1 and len(weights) == 2  # one probe set; two initialisations
     assert (out / "report.html").read_text().count("data:image/png;base64,") == 24
+    page = out / "encoder" / "seed1" / "report.html"
+    title = "<title>tangentlens demo: encoder, seed 1</title>"
+    assert title in page.read_text()
+    assert main(["report", str(out), "-q"]) == 0 and title in page.read_text()  # re-rendered
+    swapped = tmp_path / "swapped"  # runs that are not those the claims came from
+    shutil.copytree(out, swapped, ignore=shutil.ignore_patterns("checkpoints"))
+    seed0, seed1 = swapped / "decoder" / "seed0", swapped / "decoder" / "seed1"
+    seed0.rename(swapped / "spare")
+    assert main(["report", str(swapped), "-q"]) == 2
+    assert "seed0 is missing" in capsys.readouterr().err
+    seed1.rename(seed0)
+    (swapped / "spare").rename(seed1)
+    assert main(["report", str(swapped), "-q"]) == 2
+    assert str(seed0) in capsys.readouterr().err
 
     decoder = out / "decoder" / "seed0"
     ckpt = str(decoder / "checkpoints")

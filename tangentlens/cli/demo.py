@@ -26,6 +26,8 @@ from ..data.train import TOKENIZER_DIR, train
 from ..probes.distributed import die_with_parent
 from ..report import write_overview, write_report
 from ..report.claims import Claim
+from ..report.page import run_title
+from ..report.render import run_digests
 from ..report.verdicts import paper_claims
 from ..study import Study
 from .workflows import (
@@ -99,7 +101,7 @@ def _demo_kind(
         tables[seed] = study.run(folder, progress=progress)
         timings["study_s"] += time.perf_counter() - clock
         clock = time.perf_counter()
-        title = f"tangentlens demo: {kind}, seed {seed}"
+        title = run_title("demo", f"{kind}/{SEED_DIR.format(seed)}")
         write_report(tables[seed], folder / "report.html", manifest=study.manifest, title=title)
         timings["report_s"] += time.perf_counter() - clock
     return tables, timings
@@ -150,11 +152,11 @@ def demo(
         log(f"[{n_steps}/{n_steps}] verdicts over {len(seeds)} seed(s) per kind, and the report")
         clock = time.perf_counter()
         claims = paper_claims(tables)
-        summary = {"claims": [c.to_dict() for c in claims], "models": kinds,
-                   "seeds": list(seeds)}  # fmt: skip
-        write_checked_json(out / SUMMARY_FILE, summary)
         folders = {f"{k}/{SEED_DIR.format(s)}": out / k / SEED_DIR.format(s)
                    for k in kinds for s in seeds}  # fmt: skip
+        summary = {"claims": [c.to_dict() for c in claims], "models": kinds,
+                   "seeds": list(seeds), "runs": run_digests(folders)}  # fmt: skip
+        write_checked_json(out / SUMMARY_FILE, summary)
         page = write_overview(folders, claims, out / "report.html")
         timings["verdicts_s"] = time.perf_counter() - clock
     first = tables["decoder"][seeds[0]]

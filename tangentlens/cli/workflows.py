@@ -63,7 +63,7 @@ from ..probes.driver import fit_bases, run
 from ..report import write_overview, write_report
 from ..report.claims import Claim
 from ..report.page import OVERVIEW_TITLES
-from ..report.render import render_report
+from ..report.render import render_report, run_digests
 from ..report.verdicts import paper_claims
 from ..study import Study, StudyConfig
 from ..study.config import open_series
@@ -520,10 +520,11 @@ def run_studies(
         kind = next(iter(kinds.values()))
         fraction = next(iter(configs.values())).window_fraction  # the panel's, as the study's
         claims = paper_claims({kind: tables}, window_fraction=fraction)
-        summary = {"claims": [c.to_dict() for c in claims], "models": [kind],
-                   "seeds": list(tables), "series": series}  # fmt: skip
-        write_checked_json(out / SUMMARY_FILE, summary)
         folders = {SEED_DIR.format(s): out / SEED_DIR.format(s) for s in tables}
+        summary = {"claims": [c.to_dict() for c in claims], "models": [kind],
+                   "seeds": list(tables), "series": series,
+                   "runs": run_digests(folders)}  # fmt: skip
+        write_checked_json(out / SUMMARY_FILE, summary)
         title = OVERVIEW_TITLES["study per seed"]
         write_overview(folders, claims, out / "report.html", title=title)
     return {kind: tables}, claims

@@ -36,6 +36,7 @@ __all__ = [
     "OVERVIEW_TITLES",
     "is_report",
     "load_results",
+    "run_title",
     "write_figures",
     "write_overview",
     "write_report",
@@ -45,6 +46,17 @@ OVERVIEW_TITLES = {  # by the command that wrote the folder, for its first page 
     "demo": "tangentlens demo: decoder and encoder",
     "study per seed": "tangentlens study: the claims over seeds",
 }
+
+
+def run_title(writer: str | None, name: str) -> str:
+    """The page title of the run ``name`` (``decoder/seed0``) in a folder ``writer`` (the
+    command) wrote: the demo names each run's kind and seed, on its first page and on
+    re-renders alike; other runs take the default."""
+    kind, _, seed = name.partition("/")
+    if writer == "demo" and seed.startswith("seed"):
+        return f"tangentlens demo: {kind}, seed {seed.removeprefix('seed')}"
+    return "tangentlens report"
+
 
 MANIFEST_FILE = "manifest.json"
 _GENERATOR = '<meta name="generator" content="tangentlens">'

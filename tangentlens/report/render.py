@@ -18,6 +18,7 @@ its files that are still as it left them and refuses to write over anything else
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..core.errors import MissingFileError, UsageError
@@ -35,12 +36,13 @@ from .page import (
     MANIFEST_FILE,
     OVERVIEW_TITLES,
     is_report,
+    run_title,
     write_figures,
     write_overview,
     write_report,
 )
 
-__all__ = ["FIGURES_RECORD", "SUMMARY_FILE", "render_report", "run_folders"]
+__all__ = ["FIGURES_RECORD", "SUMMARY_FILE", "render_report", "run_digests", "run_folders"]
 
 SUMMARY_FILE = "summary.json"
 FIGURES_RECORD = ".tangentlens-figures.json"  # what a page's figure folder holds of ours
@@ -53,6 +55,30 @@ def run_folders(folder: Path) -> dict[str, Path]:
     found = [*folder.glob("seed*/results.csv"), *folder.glob("*/seed*/results.csv")]
     runs = {p.parent.relative_to(folder).as_posix(): p.parent for p in found}
     return dict(sorted(runs.items()))
+
+
+def run_digests(runs: Mapping[str, Path]) -> dict[str, str]:
+    """SHA-256 of each run's ``results.csv`` (``runs``: path under the folder → run): the
+    summary records them, so its claims are shown only beside the runs they came from."""
+    return {name: _sha256(Path(run) / "results.csv") for name, run in sorted(runs.items())}
+
+
+def _check_runs(folder: Path, recorded: object) -> None:
+    """Refuse a folder whose runs are not those its summary's claims came from (one
+    missing, added, swapped with another or changed since). A summary without the record
+    (another tool's, an earlier version's) is read as it is."""
+    if recorded is None:
+        return
+    found = run_digests(run_folders(folder))
+    if not isinstance(recorded, dict):
+        raise UsageError(f"{folder / SUMMARY_FILE} has a damaged runs record; rerun its command")
+    for name in sorted(set(found) | set(recorded)):
+        if found.get(name) != recorded.get(name):
+            what = "is missing" if name not in found else "is not the run its claims came from"
+            raise UsageError(
+                f"{folder / name} {what} ({SUMMARY_FILE} records its results.csv): restore "
+                "the folder as the command left it, or rerun that command"
+            )
 
 
 def _writer(folder: Path) -> str | None:
@@ -151,20 +177,24 @@ def _clear_own_temporaries(folder: Path, names: list[str]) -> None:
         remove_stale_temporaries(folder, tuple(f".{n}.*.tmp" for n in names))
 
 
-def _render_run(source: Path, page: Path, figures: Path | None) -> Path:
+def _render_run(
+    source: Path, page: Path, figures: Path | None, title: str = "tangentlens report"
+) -> Path:
     _check_page(page, source)
     folder = figures if figures is not None else page.parent / "figures"
     _clear_own_temporaries(page.parent, [page.name])
     _clear_own_temporaries(folder, _figure_names())
-    return write_report(source, page, figures_dir=folder)
+    return write_report(source, page, figures_dir=folder, title=title)
 
 
 def _claims(folder: Path) -> list[Claim]:
+    """The summary's claims, once its runs are checked to be those they came from."""
     fix = "rerun the command that wrote this folder"
     record = read_checked_json(folder / SUMMARY_FILE, fix=fix)
     found = record.get("claims")
     if not isinstance(found, list) or not all(isinstance(c, dict) for c in found):
         raise UsageError(f"{folder / SUMMARY_FILE} holds no list of claims; {fix}")
+    _check_runs(folder, record.get("runs"))
     return [Claim.from_dict(c) for c in found]
 
 
@@ -178,17 +208,18 @@ def _render_runs(source: Path, page: Path, own: _FigureFolder | None) -> Path:
     if own is not None:
         names = [f"{run}/{n}" for run in runs for n in _figure_names()]
         own.check(names)
+    writer = _writer(source)
     for name, run in runs.items():
         if own is None:
             with lock_folder(run, "report"):
-                _render_run(run, run / "report.html", None)
+                _render_run(run, run / "report.html", None, run_title(writer, name))
             figures[name] = run / "figures"
         else:
             figures[name] = own.folder / name
             _clear_own_temporaries(figures[name], _figure_names())
             write_figures(run, figures[name])
             written += [f"{name}/{n}" for n in _figure_names() if (figures[name] / n).is_file()]
-    title = OVERVIEW_TITLES.get(_writer(source) or "", "tangentlens: the claims over several runs")
+    title = OVERVIEW_TITLES.get(writer or "", "tangentlens: the claims over several runs")
     _clear_own_temporaries(page.parent, [page.name])
     out = write_overview(runs, claims, page, title=title, figures=figures)
     if own is not None:
