@@ -373,7 +373,9 @@ def test_paper_claims_are_typed_and_round_trip_through_json() -> None:
     assert lower[0].verdict == "suggests agrees" and lower[0].strength == "strong"
     assert by["decoder", "gradient", "energy_late"].verdict == "suggests agrees"  # below 0
     assert by["encoder", "gradient", "energy_early"].verdict == "suggests disagrees"  # < τ
-    assert by["decoder", "embedding", "frequency"].estimate.value == -0.5  # last checkpoint
+    frequency = by["decoder", "embedding", "frequency"]
+    assert frequency.estimate.value == -0.5  # last checkpoint
+    assert frequency.interval_covers == "embedding rows"  # Fisher's, over the vocabulary
     pair = by["decoder vs encoder", "weight_gradient", "encoders_weaker"]
     assert pair.verdict == "suggests agrees" and pair.statistic.endswith("normalized_ratio")
     # the tested number is the difference (one seed each: no interval), then each model's

@@ -212,8 +212,12 @@ class Claim:
 
     @property
     def interval_covers(self) -> str:
-        """What the tested interval resamples: ``training seeds`` or ``probe tokens``."""
-        return "training seeds" if self.between is not None else "probe tokens"
+        """What the tested interval resamples: ``training seeds``; with one seed ``probe
+        tokens``, or for the frequency claim ``embedding rows`` (Fisher's interval over the
+        vocabulary rows the corpus holds)."""
+        if self.between is not None:
+            return "training seeds"
+        return "embedding rows" if self.name == "frequency" else "probe tokens"
 
     def numbers(self) -> dict[str, Estimate | None]:
         """Every number by its key, in display order (the tested one included)."""
