@@ -228,7 +228,9 @@ def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixt
             assert set(heads["step"]) == set(steps) and heads["head"].notna().all()
             assert (folder / "report.html").read_text().count("data:image/png;base64,") == 6
         assert len(probe_sets) == 1 and len(weights) == 2  # one probe set; two initialisations
-    assert (out / "report.html").read_text().count("data:image/png;base64,") == 24
+    overview = (out / "report.html").read_text()
+    assert overview.count("data:image/png;base64,") == 24
+    assert overview.count("8 probe sequences of") == overview.count("50 controls a test") == 4
     page = out / "encoder" / "seed1" / "report.html"
     title = "<title>tangentlens demo: encoder, seed 1</title>"
     assert title in page.read_text()

@@ -242,6 +242,25 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return read_json(path, dict, fix="re-create it or delete it") if path.is_file() else None
 
 
+def _run_settings(manifest: Mapping[str, Any] | None) -> str:
+    """What an overview says of how a run was made (its series, checkpoints, probe set and
+    controls), so a quick run is not mistaken for a full one; empty without a manifest."""
+    if not manifest:
+        return ""
+    config, probe_set = manifest.get("config") or {}, manifest.get("probe_set") or {}
+    seen = manifest.get("steps") or []
+    parts = [f"`{manifest.get('command', 'study')}` of {config.get('checkpoints', '?')}"]
+    if seen:
+        parts.append(f"{len(seen)} checkpoints (steps {seen[0]}–{seen[-1]})")
+    if probe_set:
+        parts.append(
+            f"{probe_set.get('n_sequences')} probe sequences of {probe_set.get('seq_len')} tokens"
+        )
+    if "n_controls" in config:
+        parts.append(f"{config['n_controls']} controls a test")
+    return ", ".join(parts)
+
+
 def sub_tables(folder: Path) -> list[str]:
     """Results tables one level below a results folder (the demo's ``heads/``), which the
     report reads with the folder's own table and names on the page."""
@@ -379,6 +398,9 @@ def write_overview(
             Path(os.path.relpath(Path(folder, "report.html"), out.parent)).as_posix()
         )
         body.append(f'<h2>{esc(name)} <a href="{link}">(full report)</a></h2>')
+        made = _run_settings(_read_json(Path(folder, MANIFEST_FILE)))
+        if made:
+            body.append(f'<p class="meta">{esc(made)}</p>')
         shown = (figures or {}).get(name, Path(folder, "figures"))
         for png in _figure_files(Path(shown)):
             raw = png.read_bytes()
