@@ -167,3 +167,48 @@ def test_head_effects_edit_equals_keep_terms(llama, one_thread) -> None:
         with model.hooks(fwd_hooks=hooks):
             edited = float(_default_metric(model, batches[2]))
     assert got == pytest.approx(edited - clean, abs=1e-7)
+
+
+def test_removing_a_part_at_resid_mid_edits_the_stream_not_only_the_mlp_input(
+    llama, one_thread
+) -> None:
+    """At resid_mid the hook point is the MLP branch's input: the effect must be that of
+    the stream itself losing the part (skip path included), as a hand edit of the HF
+    model's attention output gives, on the bridge and on nnsight alike."""
+    import nnsight
+    from models import hf_model
+
+    model, batches, bases = llama
+    name, batch = "blocks.1.hook_resid_mid", batches[2]
+    q = bases[name].basis_.float()
+    hf = hf_model("llama")
+
+    def loss() -> float:
+        with torch.no_grad():
+            logits = hf(batch).logits[:, :-1]
+        targets = batch[:, 1:].flatten()
+        return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets))
+
+    clean, kept = loss(), {}
+    layer = hf.model.layers[1]
+
+    def attn_out(module, args, out):  # resid_mid' = resid_mid − resid_mid Q Qᵀ, by hand
+        mid = kept["pre"] + out[0]
+        return (mid - mid @ q @ q.T - kept["pre"], *out[1:])
+
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda m, a, kw: kept.update(pre=a[0] if a else kw["hidden_states"]), with_kwargs=True
+        ),
+        layer.self_attn.register_forward_hook(attn_out),
+    ]
+    try:
+        by_hand = loss() - clean
+    finally:
+        for handle in handles:
+            handle.remove()
+    for subject in (model, nnsight.NNsight(hf_model("llama"))):
+        found = causal_effects(subject, [batch], bases, sites=name, n_null=2, progress=False)
+        effect = float(found.set_index("statistic")["value"]["delta_metric"])
+        assert effect == pytest.approx(by_hand, rel=1e-4, abs=1e-6)
+    assert abs(by_hand) > 1e-3  # the stream's edit, far from the MLP input's alone

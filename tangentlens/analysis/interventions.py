@@ -55,6 +55,8 @@ def ablate(basis: TangentBasis, part: str = "tangent") -> HookFn:
     activation's dtype), so ``tangent + normal == input`` holds exactly and ablating
     both parts would leave zero. The hook has TransformerLens' ``(tensor, hook)``
     signature with ``hook`` optional, so on nnsight ``h[:] = ablate(basis)(h)`` works too.
+    On ``hook_resid_mid`` it edits the MLP branch's input only (the skip path carries the
+    stream on unedited); `causal_effects` removes the part from the stream itself there.
 
     Args:
         basis: The `TangentBasis` of the site the hook goes on.
@@ -176,6 +178,40 @@ def _per_copy(x: Tensor, chunk: Sequence[TangentBasis], edit: Callable[..., Tens
     return torch.cat([edit(b, parts[j]) for j, b in enumerate(chunk)])
 
 
+def _stream_edit(
+    backend: Backend, site: Site, chunk: Sequence[TangentBasis], part: str
+) -> list[Any]:
+    """Hooks that remove ``part`` from the residual stream at ``site`` (copy j of a stacked
+    batch by ``chunk[j]``), returning their handles. A ``resid_mid`` hook is the MLP
+    branch's input (``ln2.hook_in``; the post-attention norm's input on nnsight): the
+    skip path carries the stream past it unedited, so the same change is added again at
+    that layer's ``resid_post``, which makes the stream there that of the edited
+    ``resid_mid`` plus the MLP's output on it."""
+
+    def edit(b: TangentBasis, x: Tensor) -> Tensor:
+        return ablate(b, part)(x)
+
+    if site.kind != "resid_mid":
+        return [backend.add_forward_hook(site, lambda x: _per_copy(x, chunk, edit))]
+    change: list[Tensor] = []  # this forward's edit at resid_mid, for its resid_post
+
+    def at_mid(x: Tensor) -> Tensor:
+        out = _per_copy(x, chunk, edit)
+        change.append(out - x)
+        return out
+
+    def at_post(x: Tensor) -> Tensor:
+        return x + change.pop()
+
+    handles = [backend.add_forward_hook(site, at_mid)]
+    try:
+        handles.append(backend.add_forward_hook(Site(site.layer, "resid_post"), at_post))
+    except BaseException:
+        handles[0].remove()
+        raise
+    return handles
+
+
 def _null_bases(basis: TangentBasis, n: int, seed: int) -> list[TangentBasis]:
     frames = uniform_controls(basis.d, basis.k, n, seed=seed)
     return [TangentBasis(f) for f in frames]
@@ -283,10 +319,7 @@ def causal_effects(
         basis = by_site[site]
 
         def install(chunk: Sequence[TangentBasis], site: Site = site) -> list[Any]:
-            def edit(b: TangentBasis, x: Tensor) -> Tensor:
-                return ablate(b, part)(x)
-
-            return [backend.add_forward_hook(site, lambda x: _per_copy(x, chunk, edit))]
+            return _stream_edit(backend, site, chunk, part)
 
         frames = [basis, *_null_bases(basis, n_null, seed + site.layer)]
         deltas = _deltas(model, batches, metric, frames, install, clean)
