@@ -15,6 +15,7 @@ from tangentlens.core.significance import (
     energy_ratio,
     energy_test,
     isotropy_test,
+    matrix_tests,
     tangent_tests,
 )
 from tangentlens.core.stats import Moments
@@ -401,3 +402,26 @@ def test_controls_do_not_see_the_null_space_basis():
         torch.testing.assert_close(
             draws[1][key], value, rtol=1e-5, atol=1e-9 * float(value.abs().max())
         )
+
+
+def test_ties_count_as_extreme_and_the_tests_name_their_limits() -> None:
+    """An isotropic H gives every frame the share k/d exactly: p = 1 although the controls'
+    traces are float32 (compared at their precision). At 2k = d every normal control spans
+    the complement itself: those statistics are left out, with a warning. At k = d − 1 no
+    IsoScore* is left to measure: a UsageError names the rank."""
+    d, k = 32, 4
+    q = TangentBasis(torch.linalg.qr(torch.randn(d, k, dtype=torch.float64))[0])
+    assert matrix_tests(torch.eye(d, dtype=torch.float64) * 3.7, q, n_controls=99)["p_value"] == 1
+    x = torch.cat([torch.eye(d), -torch.eye(d)]).double() * 5.0  # covariance ∝ I
+    tied = tangent_tests(Moments().update(x), q, n_controls=99)
+    assert tied["p_value"] == tied["isotropy_p_value"] == 1
+    g = torch.Generator().manual_seed(0)
+    m = Moments().update(torch.randn(200, 8, generator=g, dtype=torch.float64))
+    half = TangentBasis(torch.linalg.qr(torch.randn(8, 4, generator=g, dtype=torch.float64))[0])
+    with pytest.warns(UserWarning, match="2k >= d"):
+        found = tangent_tests(m, half, n_controls=20)
+    assert "p_value_normal" not in found and "p_value" in found
+    most = TangentBasis(torch.linalg.qr(torch.randn(8, 7, generator=g, dtype=torch.float64))[0])
+    with pytest.raises(UsageError, match="rank <= 6"):
+        tangent_tests(m, most, n_controls=20)
+    assert 0 < energy_test(m, most, n_controls=20).p_value <= 1  # the energy test has no limit

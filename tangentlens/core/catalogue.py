@@ -152,9 +152,10 @@ _BASE = [
        "controls: uniform here, normal in p_value_normal (the paper's)"),
     _S("p_value_normal", ("gradient", "weight_gradient"),
        "p_value's energy test against n frames drawn orthogonal to Q_T (normal controls); "
-       "emitted only when 2k ≤ d", _GRAD + _CONTROLS,
+       "emitted only when 2k < d", _GRAD + _CONTROLS,
        "as p_value, but anti-conservative when k/d is not small (normal controls are not "
-       "exchangeable with Q_T)", "the paper's controls (normal, n = 20)"),
+       "exchangeable with Q_T; a warning from k/d = 0.05 on)", "the paper's controls (normal, "
+       "n = 20)"),
     _S("normalized_ratio", ("gradient", "weight_gradient"),
        "energy_ratio of the gradient object over the same closed-form ratio of the site's "
        "activations (their uncentred second moment E[x xᵀ], same tokens): the random-backprop "
@@ -166,7 +167,7 @@ _BASE = [
        "positive: Q_T is what makes the gradients anisotropic; 0: removing it changes nothing",
        _ISO_OPTION),
     _S("delta_iso_normal", "gradient",
-       "the mean over the n normal controls (frames orthogonal to Q_T; 2k ≤ d only) of "
+       "the mean over the n normal controls (frames orthogonal to Q_T; 2k < d only) of "
        "IsoScore*(after removing the control) − IsoScore*(before), with the same ζ and R as "
        "delta_iso_tangent. " + _ISO_DEF, _GRAD + _CONTROLS + "; ζ and R",
        "the ΔIso* of removing an ordinary direction set; compare delta_iso_tangent with it",
@@ -181,7 +182,7 @@ _BASE = [
        "small: removing Q_T makes the gradients more isotropic than removing a random frame",
        _ISO_OPTION + "; controls: uniform (exact)"),
     _S("isotropy_p_value_normal", "gradient",
-       "isotropy_p_value against n normal controls (frames orthogonal to Q_T; 2k ≤ d only). "
+       "isotropy_p_value against n normal controls (frames orthogonal to Q_T; 2k < d only). "
        + _ISO_DEF, _GRAD + _CONTROLS + "; ζ and R",
        "as isotropy_p_value; anti-conservative when k/d is not small",
        _ISO_OPTION + "; the paper's normal controls"),

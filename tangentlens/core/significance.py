@@ -50,7 +50,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .controls import SiteFrames
+from .controls import NULL_DTYPE, SiteFrames
 from .errors import ExchangeabilityWarning, UsageError
 from .metrics import _cov_arg, isoscore_from_traces
 from .stats import Moments
@@ -72,6 +72,7 @@ __all__ = [
 
 Controls = Literal["uniform", "normal"]
 _KD_WARN = 0.05
+_TIE = 16 * torch.finfo(NULL_DTYPE).eps  # relative: a tie at the controls' precision
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def _check_basis(basis: Any, d: int, what: str) -> None:
 
 
 def _warn_exchangeability(basis: TangentBasis, controls: str) -> None:
-    if controls == "normal" and basis.k / basis.d > _KD_WARN:
+    if controls == "normal" and basis.k / basis.d >= _KD_WARN:
         warnings.warn(
             f"k/d = {basis.k}/{basis.d} = {basis.k / basis.d:.2f}: normal controls are not "
             "exchangeable with Q_T, so p-values are anti-conservative at this ratio. "
@@ -160,8 +161,14 @@ def _warn_exchangeability(basis: TangentBasis, controls: str) -> None:
         )
 
 
-def _add_one_p(null: Tensor, observed: float) -> float:
-    return (1 + int((null >= observed).sum())) / (null.numel() + 1)
+def _add_one_p(null: Tensor, observed: float, scale: float | None = None) -> float:
+    """(1 + #{null ≥ observed}) / (n + 1), compared at the controls' precision: their
+    traces are sums in `NULL_DTYPE`, good to a few of its rounding steps, so a control
+    within `_TIE` of the observed value, relative to ``scale`` (default: its size), counts
+    as extreme (an exact tie: an isotropic matrix gives every frame the same share, and
+    ΔIso* = 0, an IsoScore* difference whose scale is 1)."""
+    at = observed - _TIE * (abs(observed) if scale is None else scale)
+    return (1 + int((null >= at).sum())) / (null.numel() + 1)
 
 
 # --------------------------------------------------------------- energy test
@@ -297,6 +304,12 @@ class _IsoAfterRemoval:
     def __init__(self, moments: Moments, basis: TangentBasis, zeta: float, reference: Any):
         if moments.count < 2:
             raise UsageError("ΔIso* needs at least 2 gradient vectors for a covariance.")
+        if basis.d - basis.k < 2:  # IsoScore* of what is left is of one dimension: undefined
+            raise UsageError(
+                f"ΔIso* needs at least 2 dimensions outside Q_T; rank {basis.k} at d={basis.d} "
+                f"leaves {basis.d - basis.k}: use rank <= {basis.d - 2} (energy_test has no "
+                "such limit)."
+            )
         if not 0 <= zeta <= 1:
             raise UsageError(f"zeta must be in [0, 1]; got {zeta}.")
         c = moments.covariance(ddof=1)
@@ -416,7 +429,7 @@ def _isotropy(
         delta_tangent=delta_t,
         delta_normal=delta_n,
         statistic=delta_t - delta_n,
-        p_value=_add_one_p(null, delta_t),
+        p_value=_add_one_p(null, delta_t, scale=1.0),
         null_deltas=null,
         n_controls=n_controls,
         controls=controls,
@@ -445,13 +458,14 @@ def isotropy_test(
 
 
 def _normal_fits(basis: TangentBasis) -> bool:
-    """Whether a normal control of rank k fits in the complement (2k ≤ d, `max_rank`). When
-    it does not, the ``_normal`` statistics are left out, and a warning says so: a table
-    should not lose a column without a word."""
-    if 2 * basis.k <= basis.d:
+    """Whether normal controls of rank k can vary in the complement (2k < d). At 2k = d
+    every one spans the complement itself, so the test would only ask whether the share
+    is above 1/2; above it none fits. Then the ``_normal`` statistics are left out, and a
+    warning says so: a table should not lose a column without a word."""
+    if 2 * basis.k < basis.d:
         return True
     warnings.warn(
-        f"rank k={basis.k} at d={basis.d} leaves no room for normal controls (2k > d): "
+        f"rank k={basis.k} at d={basis.d} leaves no room for varied normal controls (2k >= d): "
         "p_value_normal, delta_iso_normal and isotropy_p_value_normal are left out; "
         "p_value and isotropy_p_value (uniform controls, exact at any rank) are reported.",
         stacklevel=3,

@@ -193,7 +193,7 @@ class AttentionProbe(Probe):
                     f"{params.d_model}; fit the basis at this layer's attention input."
                 )
             self.add_state(site.hook_name, lambda n=params.n_heads: AttentionAccumulator(n))
-            if self.head_null and 2 * basis.k <= basis.d:
+            if self.head_null and 2 * basis.k < basis.d:
                 frames = normal_controls(basis, self.head_null, seed=seed + site.layer)
                 self.null_bases[site] = [TangentBasis(f) for f in frames]
                 self.add_state(
