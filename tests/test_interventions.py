@@ -6,7 +6,13 @@ import pytest
 import torch
 from models import tl_bridge, tokens
 
-from tangentlens.analysis.interventions import ablate, causal_effects, head_effects, keep_terms
+from tangentlens.analysis.interventions import (
+    _default_metric,
+    ablate,
+    causal_effects,
+    head_effects,
+    keep_terms,
+)
 from tangentlens.core.decompose import decompose_parts
 from tangentlens.core.errors import UsageError
 from tangentlens.hooks import get_backend
@@ -212,3 +218,35 @@ def test_removing_a_part_at_resid_mid_edits_the_stream_not_only_the_mlp_input(
         effect = float(found.set_index("statistic")["value"]["delta_metric"])
         assert effect == pytest.approx(by_hand, rel=1e-4, abs=1e-6)
     assert abs(by_hand) > 1e-3  # the stream's edit, far from the MLP input's alone
+
+
+def test_the_default_metric_counts_the_pairs_it_sums_and_refuses_an_encoder(
+    llama, one_thread
+) -> None:
+    """Left padding: the next-token loss sums the pairs of two real tokens, and the mean
+    divides by as many; an encoder predicts no next token, so the default metric is
+    refused there (a metric of one's own runs)."""
+    model, batches, _ = llama
+    ids = batches[2].clone()
+    mask = torch.ones_like(ids)
+    mask[1, :4] = mask[2, :2] = 0
+    batch = {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+    with torch.no_grad():
+        logits = model(batch["input_ids"], attention_mask=mask, return_type="logits")
+    nll = (
+        -logits[:, :-1].float().log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    )
+    pairs = mask[:, 1:].bool() & mask[:, :-1].bool()
+    by_hand = float((nll * pairs).sum()) / int(pairs.sum())
+    with torch.no_grad():
+        found = float(_default_metric(model, batch))
+    assert found == pytest.approx(by_hand, rel=1e-6)
+    encoder = tl_bridge("bert")
+    enc_bases = fit_bases(encoder, [tokens("bert", seed=0)], rank=2, layers=[0], progress=False)
+    with pytest.raises(UsageError, match="metric="):
+        causal_effects(encoder, [tokens("bert", seed=1)], enc_bases, n_null=2, progress=False)
+    mean_norm = lambda m, b: m(b, return_type="logits").norm()  # noqa: E731
+    found = causal_effects(
+        encoder, [tokens("bert", seed=1)], enc_bases, metric=mean_norm, n_null=2, progress=False
+    )
+    assert {"delta_metric", "p_value"} <= set(found["statistic"])

@@ -101,8 +101,14 @@ def _default_metric(model: Any, batch: Any) -> Tensor:
 
 
 def _predicted(batch: Any) -> int:
+    """The token pairs `lm_loss` sums over: both tokens real, so left and right padding
+    alike drop the pairs that touch them."""
     ids, mask = unpack_batch(batch)
-    n = (ids.shape[1] - 1) * ids.shape[0] if mask is None else int(mask[:, 1:].sum())
+    if mask is None:
+        n = (ids.shape[1] - 1) * ids.shape[0]
+    else:
+        real = mask.bool()
+        n = int((real[:, 1:] & real[:, :-1]).sum())
     if n < 1:  # its loss would be a mean over nothing, read as 0
         raise UsageError(
             f"a batch of shape {tuple(ids.shape)} has no token to predict: the default "
@@ -249,11 +255,17 @@ def _setup(
     the bases by site."""
     _check_part(part)
     check_int(n_null, "n_null", minimum=2)
+    backend = get_backend(model)
+    if metric is None and not backend.causal:
+        raise UsageError(
+            "the default metric is the next-token loss, which an encoder does not predict: "
+            "pass metric=callable(model, batch) -> scalar (e.g. a masked-token loss)."
+        )
     metric = _default_metric if metric is None else metric
     by_site = as_bases(bases)
     check_basis_sites(by_site)
     warn_basis_weights(by_site, model, stacklevel=4)
-    return as_batches(model, batches), metric, get_backend(model), by_site
+    return as_batches(model, batches), metric, backend, by_site
 
 
 def causal_effects(
