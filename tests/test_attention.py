@@ -27,6 +27,7 @@ from tangentlens.core.decompose import (
     linearize_norm,
 )
 from tangentlens.core.decompose import keep_mask as dkeep_mask
+from tangentlens.core.errors import UsageError
 from tangentlens.core.subspace import TangentBasis, complement
 from tangentlens.hooks.huggingface import (
     hf_attention_module,
@@ -288,6 +289,8 @@ def test_rank_d_minus_one_basis(arch: str) -> None:
     full = torch.linalg.qr(torch.randn(D, D, generator=gen, dtype=torch.float64)).Q
     basis, u = TangentBasis(full[:, :-1]), full[:, -1]
     terms = score_terms(model, tokens, 0, basis, attention_mask=mask)
+    with pytest.raises(UsageError, match="attention_mask"):  # a mask of another shape
+        score_terms(model, tokens, 0, basis, attention_mask=torch.ones_like(tokens)[:, :-1])
     params = params_from_bridge(model, 0)
     x = capture(model, tokens, [attention_input_hook(model, 0)], mask).popitem()[1].double()
 

@@ -82,3 +82,35 @@ def test_balanced_accuracy_and_auc_beside_accuracy_within_0_1(one_thread) -> Non
     proba = gen.dirichlet(np.ones(3), 60)
     want = roc_auc_score(y, proba, multi_class="ovr", average="macro")
     assert _auc(y, proba, np.arange(3)) == pytest.approx(want)
+
+
+def test_labels_of_real_tokens_and_samples_a_probe_cannot_fold(one_thread) -> None:
+    """ "frequency" counts real tokens only (padding is no token of the text); any integer
+    class ids work; a sample with one class, or fewer sequences than folds, is refused by
+    name instead of failing inside scikit-learn."""
+    from tangentlens.analysis.layerwise import _label_tensors
+
+    ids = _batches(1, pos=12)[0].repeat(2, 1)[:6]
+    mask = torch.ones_like(ids)
+    mask[1:, 4:] = 0  # heavy right padding, pad id 0
+    ids = ids.masked_fill(mask == 0, 0)
+    found = _label_tensors("frequency", [ids], [mask])[0][mask.bool()]
+    real = ids[mask.bool()]
+    counts = torch.bincount(real)[real].double()
+    edges = torch.quantile(counts, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    assert torch.equal(found, torch.bucketize(counts, edges))
+    model = tl_bridge("llama")
+    batches = _batches(6)
+    bases = fit_bases(model, batches[:2], rank=4, layers=[1], progress=False)
+    big = [(b % 2) * 2**40 for b in batches]  # class ids far beyond the class count
+    kwargs = {"layers": [1], "tokens_per_layer": 200, "n_folds": 3, "progress": False}
+    table = layerwise_probe(model, batches, bases, big, **kwargs)
+    assert float(table.set_index("statistic")["value"]["chance_balanced_accuracy"]) == 0.5
+    one = [torch.zeros_like(b) for b in batches]
+    with pytest.raises(UsageError, match=r"blocks\.1\.hook_resid_pre holds 1 class"):
+        layerwise_probe(model, batches, bases, one, **kwargs)
+    few = {**kwargs, "tokens_per_layer": 10, "n_folds": 5}  # 10 tokens: 5 sequences at most
+    with pytest.raises(UsageError, match="n_folds=5"):
+        for seed in range(6):  # some seeds' samples miss a sequence
+            layerwise_probe(model, [batches[0][:, :4].repeat(2, 1)[:5]], bases, "position",
+                            seed=seed, **few)  # fmt: skip

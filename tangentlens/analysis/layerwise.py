@@ -77,19 +77,23 @@ class _LabelledSample(Probe):
         return []
 
 
-def _label_tensors(labels: Labels, ids: list[Tensor]) -> list[Tensor]:
-    """One ``(batch, pos)`` int64 label tensor per batch."""
+def _label_tensors(
+    labels: Labels, ids: list[Tensor], masks: list[Tensor | None]
+) -> list[Tensor]:
+    """One ``(batch, pos)`` int64 label tensor per batch (``masks``: which tokens are real;
+    padding is no token of the text, so it counts toward no frequency)."""
     if isinstance(labels, str):
         if labels == "position":  # four buckets of equal width over the positions
             return [
                 (torch.arange(x.shape[1]) * 4 // x.shape[1]).expand(x.shape).clone() for x in ids
             ]
-        if labels == "frequency":  # quartiles of each token's frequency in these batches
-            flat = torch.cat([x.reshape(-1) for x in ids])
+        if labels == "frequency":  # quartiles of each real token's frequency in these batches
+            real = [x if m is None else x[m.bool()] for x, m in zip(ids, masks, strict=True)]
+            flat = torch.cat([x.reshape(-1) for x in real])
             counts = torch.bincount(flat)[flat].double()
             edges = torch.quantile(counts, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
             out = []
-            for x in ids:
+            for x in ids:  # padding's own class is never sampled (the sample is masked)
                 c = torch.bincount(flat, minlength=int(x.max()) + 1)[x].double()
                 out.append(torch.bucketize(c, edges))
             return out
@@ -163,12 +167,12 @@ def _cross_validated(
     folds = GroupKFold(n_splits=n_folds)
     scores: dict[str, list[float]] = {name: [] for name in SCORES}
     for train, test in folds.split(x, y, groups):
-        if len(np.unique(y[train])) < 2:
+        if len(np.unique(y[train])) < 2:  # nothing to fit: the one class it saw
             pred = np.full(len(test), y[train][0])
             fold = {
                 "accuracy": float(np.mean(y[test] == pred)),
                 "balanced_accuracy": float(balanced_accuracy_score(y[test], pred)),
-                "roc_auc": 0.5,
+                "roc_auc": math.nan,  # no scores to rank: left out of the mean
             }
         else:
             model = make_pipeline(
@@ -214,7 +218,8 @@ def layerwise_probe(
         site: The residual site: ``resid_pre``, ``resid_mid`` or ``resid_post``.
         tokens_per_layer: Tokens sampled per layer (at least ``2 * n_folds``).
         n_folds: Cross-validation folds over sequences (at least 2).
-        seed: Seeds the token sample and the folds.
+        seed: Seeds the token sample and the classifier (the folds follow the sequences'
+            order).
         progress: Show a progress bar.
 
     Returns:
@@ -224,7 +229,8 @@ def layerwise_probe(
 
     Raises:
         UsageError: Unknown ``labels``, labels not aligned with the batches, no basis at
-            ``site`` for these layers, or fewer sequences than folds.
+            ``site`` for these layers, fewer sequences than folds, or a token sample with
+            one class or fewer sequences than folds.
 
     Example:
         With ``model`` from `load`, ``texts`` a list of strings and ``bases`` from
@@ -236,8 +242,9 @@ def layerwise_probe(
         ['full', 'normal', 'tangent']
     """
     batches = as_batches(model, batches)
-    ids = [unpack_batch(b)[0] for b in batches]
-    label_list = _label_tensors(labels, ids)
+    unpacked = [unpack_batch(b) for b in batches]
+    ids = [x for x, _ in unpacked]
+    label_list = _label_tensors(labels, ids, [m for _, m in unpacked])
     n_folds = check_int(n_folds, "n_folds", minimum=2)
     size = check_int(tokens_per_layer, "tokens_per_layer", minimum=2 * n_folds)
     backend = get_backend(model)
@@ -260,12 +267,19 @@ def layerwise_probe(
         reservoir = sample.reservoirs[s]
         x, tags = reservoir.sample().double(), reservoir.tags().numpy()
         y, groups = tags[:, 0], tags[:, 1]
+        counts = np.unique(y, return_counts=True)[1]  # class ids may be any integers
+        if len(counts) < 2 or len(np.unique(groups)) < n_folds:
+            raise UsageError(
+                f"the token sample at {s.hook_name} holds {len(counts)} class(es) in "
+                f"{len(np.unique(groups))} sequences; a probe needs 2 classes and n_folds="
+                f"{n_folds} sequences: give labels that vary, raise tokens_per_layer or "
+                "lower n_folds."
+            )
         tangent, normal = by_site[s].split(x)
         parts = {"full": x, "tangent": tangent, "normal": normal}
-        counts = np.bincount(y)
         chance = {
             "chance_accuracy": float(counts.max() / len(y)),
-            "chance_balanced_accuracy": 1 / int((counts > 0).sum()),
+            "chance_balanced_accuracy": 1 / len(counts),
         }
         for stat, value in chance.items():
             rows.append(results.row("linear", s, stat, value, component="full"))

@@ -35,6 +35,7 @@ from ..core.validation import check_int
 from ..hooks.base import Backend, Handle
 from ..hooks.sites import Site
 from ..hooks.transformer_lens import norm_from_bridge, params_from_bridge
+from ..models.batches import unpack_batch
 from .attention_stats import (
     MIN_Z_FRAMES,
     STATISTICS,
@@ -87,6 +88,8 @@ def score_terms(
     """
     if site not in ("attn_in", "resid_pre"):
         raise UsageError(f"site must be 'attn_in' or 'resid_pre'; got {site!r}.")
+    batch = {"input_ids": tokens, "attention_mask": attention_mask}
+    tokens, attention_mask = unpack_batch(batch)  # checked: a mask of another shape is refused
     warn_basis_sites({Site(layer, site): basis})
     params = params_from_bridge(model, layer)
     norm = norm_from_bridge(model, layer) if site == "resid_pre" else None
