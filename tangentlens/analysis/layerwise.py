@@ -77,9 +77,7 @@ class _LabelledSample(Probe):
         return []
 
 
-def _label_tensors(
-    labels: Labels, ids: list[Tensor], masks: list[Tensor | None]
-) -> list[Tensor]:
+def _label_tensors(labels: Labels, ids: list[Tensor], masks: list[Tensor | None]) -> list[Tensor]:
     """One ``(batch, pos)`` int64 label tensor per batch (``masks``: which tokens are real;
     padding is no token of the text, so it counts toward no frequency)."""
     if isinstance(labels, str):

@@ -14,6 +14,7 @@ cached with what every site reads of them (`ControlSet`, `control_frames`).
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,35 @@ CACHE_BYTES = 512 * 2**20
 NULL_DTYPE = torch.float32
 """The controls' traces: rounding error far inside their Monte-Carlo error, at less cost
 than float64 (the reduction and the tangent statistics stay float64)."""
+
+
+_TIE = 16 * torch.finfo(NULL_DTYPE).eps  # relative: a tie at the controls' precision
+
+
+def exceedance_p_value(null: Tensor, observed: float, scale: float | None = None) -> float:
+    """(1 + #{null ≥ observed}) / (n + 1), compared at the controls' precision: their
+    traces are sums in `NULL_DTYPE`, good to a few of its rounding steps, so a control
+    within `_TIE` of the observed value, relative to ``scale`` (default: its size), counts
+    as extreme (an exact tie: an isotropic matrix gives every frame the same share, and
+    ΔIso* = 0, an IsoScore* difference whose scale is 1)."""
+    at = observed - _TIE * (abs(observed) if scale is None else scale)
+    return (1 + int((null >= at).sum())) / (null.numel() + 1)
+
+
+def normal_controls_vary(k: int, d: int, *, stacklevel: int = 3) -> bool:
+    """Whether normal controls of rank k can vary in the complement (2k < d). At 2k = d
+    every one spans the complement itself, so a test would only ask whether the share is
+    above 1/2; above it none fits. Then the ``_normal`` statistics are left out, and a
+    warning says so: a table should not lose a column without a word."""
+    if 2 * k < d:
+        return True
+    warnings.warn(
+        f"rank k={k} at d={d} leaves no room for varied normal controls (2k >= d): "
+        "p_value_normal, delta_iso_normal and isotropy_p_value_normal are left out; "
+        "p_value and isotropy_p_value (uniform controls, exact at any rank) are reported.",
+        stacklevel=stacklevel,
+    )
+    return False
 
 
 def draw_frames(dim: int, k: int, n: int, seed: int, *, exact: bool = False) -> Tensor:

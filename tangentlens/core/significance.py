@@ -50,7 +50,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .controls import NULL_DTYPE, SiteFrames
+from .controls import SiteFrames, exceedance_p_value, normal_controls_vary
 from .errors import ExchangeabilityWarning, UsageError
 from .metrics import _cov_arg, isoscore_from_traces
 from .stats import Moments
@@ -72,7 +72,6 @@ __all__ = [
 
 Controls = Literal["uniform", "normal"]
 _KD_WARN = 0.05
-_TIE = 16 * torch.finfo(NULL_DTYPE).eps  # relative: a tie at the controls' precision
 
 
 @dataclass(frozen=True)
@@ -161,16 +160,6 @@ def _warn_exchangeability(basis: TangentBasis, controls: str) -> None:
         )
 
 
-def _add_one_p(null: Tensor, observed: float, scale: float | None = None) -> float:
-    """(1 + #{null ≥ observed}) / (n + 1), compared at the controls' precision: their
-    traces are sums in `NULL_DTYPE`, good to a few of its rounding steps, so a control
-    within `_TIE` of the observed value, relative to ``scale`` (default: its size), counts
-    as extreme (an exact tie: an isotropic matrix gives every frame the same share, and
-    ΔIso* = 0, an IsoScore* difference whose scale is 1)."""
-    at = observed - _TIE * (abs(observed) if scale is None else scale)
-    return (1 + int((null >= at).sum())) / (null.numel() + 1)
-
-
 # --------------------------------------------------------------- energy test
 def energy_ratio(share: float, k: int, d: int) -> float:
     """s / ((1 − s)·k/(d − k)): a tangent share over the mean share of a uniformly random
@@ -230,7 +219,7 @@ def _energy(
         tangent_share=share,
         chance_share=k / d,
         ratio=ratio,
-        p_value=_add_one_p(null, share),
+        p_value=exceedance_p_value(null, share),
         null_shares=null,
         n_controls=n_controls,
         controls=controls,
@@ -429,7 +418,7 @@ def _isotropy(
         delta_tangent=delta_t,
         delta_normal=delta_n,
         statistic=delta_t - delta_n,
-        p_value=_add_one_p(null, delta_t, scale=1.0),
+        p_value=exceedance_p_value(null, delta_t, scale=1.0),
         null_deltas=null,
         n_controls=n_controls,
         controls=controls,
@@ -458,19 +447,7 @@ def isotropy_test(
 
 
 def _normal_fits(basis: TangentBasis) -> bool:
-    """Whether normal controls of rank k can vary in the complement (2k < d). At 2k = d
-    every one spans the complement itself, so the test would only ask whether the share
-    is above 1/2; above it none fits. Then the ``_normal`` statistics are left out, and a
-    warning says so: a table should not lose a column without a word."""
-    if 2 * basis.k < basis.d:
-        return True
-    warnings.warn(
-        f"rank k={basis.k} at d={basis.d} leaves no room for varied normal controls (2k >= d): "
-        "p_value_normal, delta_iso_normal and isotropy_p_value_normal are left out; "
-        "p_value and isotropy_p_value (uniform controls, exact at any rank) are reported.",
-        stacklevel=3,
-    )
-    return False
+    return normal_controls_vary(basis.k, basis.d, stacklevel=4)
 
 
 def _energy_statistics(
