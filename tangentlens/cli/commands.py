@@ -428,7 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     study.add_argument("--out", metavar="DIR", required=True, help="output folder")
     study.add_argument("--backend", choices=BACKENDS, help=_help(STUDY.backend))
-    study.add_argument("--rank", metavar="K", type=_positive_int, nargs="+", help=_help(STUDY.rank))
+    study.add_argument(
+        "--rank",
+        metavar="K",
+        type=_positive_int,
+        nargs="+",
+        help=_help(STUDY.rank, quick=QUICK_STUDY["rank"]),
+    )
     study.add_argument(
         "--n-controls",
         metavar="N",

@@ -164,6 +164,7 @@ QUICK_TRAIN = {"max_steps": 8}
 """`--quick` training: five checkpoints (0, 1, 2, 4, 8) of `TrainConfig.tiny`: seconds."""
 
 QUICK_STUDY = {
+    "rank": 8,  # a quarter of the quick model's width: normal controls fit beside Q_T
     "n_controls": 50,
     "n_permutations": 20,
     "n_sequences": 8,
