@@ -441,7 +441,9 @@ def series_seeds(checkpoints: Sequence[str]) -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
-_SEED_KEYS = ("checkpoints", "seed", "train seed", "train split_seed")
+# what may differ between the seeds of one design: the series, the seeds, and the threads
+# a run was trained on (which move the bits of the weights, not the design)
+_SEED_KEYS = ("checkpoints", "seed", "train seed", "train split_seed", "train num_threads")
 
 
 def _one_design(configs: Mapping[int, StudyConfig]) -> None:
