@@ -145,7 +145,8 @@ _BASE = [
     _S("p_value", ("gradient", "weight_gradient", "intervention"),
        "gradient, weight_gradient: (1 + #{E(Q) ≥ E(Q_T)})/(n + 1) over n uniformly random "
        "(Haar) k-frames Q of the whole space, E the energy share (one-sided, exact under any "
-       "rotation-invariant null). intervention: (1 + #{|Δ_null| ≥ |Δ|})/(n_null + 1), Δ the "
+       "rotation-invariant null; E(Q), traces in float32, ties E(Q_T) within 16 float32 "
+       "rounding steps, so an exact tie counts). intervention: (1 + #{|Δ_null| ≥ |Δ|})/(n_null + 1), Δ the "
        "metric change of the ablation, Δ_null that of ablating uniformly random k-frames "
        "(two-sided)", _GRAD + _CONTROLS + " (intervention: the batches, metric and n_null)",
        "small: Q_T is special for these tokens; the smallest possible value is 1/(n + 1)",
