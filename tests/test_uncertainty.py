@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy import stats
+from scipy import special, stats
 
 from tangentlens.core import metrics as M
 from tangentlens.core.errors import UsageError
@@ -81,9 +81,14 @@ def test_intervals_are_centred_on_the_tangent_tests_values():
     assert set(iv) == {"tangent_share", "energy_ratio", "normalized_ratio", "delta_iso_tangent"}
     for name, (lo, hi) in iv.items():
         assert lo < point[name] < hi
-        # ratios are centred on the log scale (positive intervals), the rest plainly
-        ratio = name in ("energy_ratio", "normalized_ratio")
-        centre = math.sqrt(lo * hi) if ratio else (lo + hi) / 2
+        # ratios are centred on the log scale (positive intervals), the share on its logit
+        # (inside (0, 1)), ΔIso* plainly
+        if name in ("energy_ratio", "normalized_ratio"):
+            centre = math.sqrt(lo * hi)
+        elif name == "tangent_share":
+            centre = float(special.expit((special.logit(lo) + special.logit(hi)) / 2))
+        else:
+            centre = (lo + hi) / 2
         assert centre == pytest.approx(point[name], rel=1e-12)
     assert "normalized_ratio" not in tangent_intervals(grads, BASIS)
     same = tangent_intervals(grads, BASIS, activation_groups=grads)["normalized_ratio"]
@@ -117,10 +122,9 @@ def test_coverage_with_correlated_tokens(one_thread):
             scalar = share_intervals(sums, k=K, d=D)
             for name in ("tangent_share", "energy_ratio"):
                 assert scalar[name] == pytest.approx(iv[name], rel=1e-10)
-            low, high = scalar["share_ratio"]  # log scale: centred on share·d/k, positive
-            point = (iv["tangent_share"][0] + iv["tangent_share"][1]) / 2 * D / K
-            assert 0 < low < point < high
-            assert math.sqrt(low * high) == pytest.approx(point, rel=1e-10)
+            low, high = scalar["share_ratio"]  # the share's interval, times d/k
+            assert (low, high) == pytest.approx(tuple(v * D / K for v in iv["tangent_share"]))
+            assert 0 < iv["tangent_share"][0] < iv["tangent_share"][1] < 1
     share_rate, ratio_rate, iso_rate, naive_rate = hits / reps
     assert share_rate >= 0.90
     assert ratio_rate >= 0.90

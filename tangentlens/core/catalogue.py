@@ -146,7 +146,8 @@ _BASE = [
        "gradient, weight_gradient: (1 + #{E(Q) ≥ E(Q_T)})/(n + 1) over n uniformly random "
        "(Haar) k-frames Q of the whole space, E the energy share (one-sided, exact under any "
        "rotation-invariant null; E(Q), traces in float32, ties E(Q_T) within 16 float32 "
-       "rounding steps, so an exact tie counts). intervention: (1 + #{|Δ_null| ≥ |Δ|})/(n_null + 1), Δ the "
+       "rounding steps, so an exact tie counts). intervention: "
+       "(1 + #{|Δ_null| ≥ |Δ|})/(n_null + 1), Δ the "
        "metric change of the ablation, Δ_null that of ablating uniformly random k-frames "
        "(two-sided)", _GRAD + _CONTROLS + " (intervention: the batches, metric and n_null)",
        "small: Q_T is special for these tokens; the smallest possible value is 1/(n + 1)",
@@ -439,7 +440,8 @@ orthonormal basis (d × k) fitted by centred PCA on activations at a site; a *fr
 k-dimensional orthonormal basis, *uniform* frames are drawn from the whole space (exact
 p-values), *normal* ones orthogonal to Q_T (the paper's controls). Where a row has
 `ci_low`/`ci_high`, they are a 95 % delete-a-group jackknife interval over groups of whole
-sequences. The `probe` column says which probe emitted a row. `tangentlens.core.results.write`
+sequences (ratios on the log scale, shares on the logit scale, so neither leaves its range;
+`share_ratio`'s is the share's times d/k). The `probe` column says which probe emitted a row. `tangentlens.core.results.write`
 refuses a name not listed here; register your own with
 `tangentlens.core.catalogue.register(Statistic(...))`.
 """

@@ -9,9 +9,11 @@ of the whole, correlation within sequences included. The interval is
     θ̂ ± t_{G−1, (1+level)/2} · sqrt((G − 1)/G · Σ_g (θ_(g) − θ̄)²),
 
 θ̂ the statistic of all groups, θ_(g) without group g, θ̄ their mean; G = 10 to 20 is
-typical (the t quantile pays for a small G). Ratios (``share_ratio``, ``energy_ratio``,
+typical (the t quantile pays for a small G). Ratios (``energy_ratio``,
 ``normalized_ratio``, the amplifications) take the interval of their logarithm,
-exponentiated, so it stays positive.
+exponentiated, so it stays positive; ``tangent_share`` that of its logit, so it stays in
+(0, 1), and ``share_ratio`` (the share times d/k) the share's interval times d/k, so the
+two never disagree.
 
 Memory per site: G × the statistics' memory for `Moments` groups (`tangent_intervals`;
 G float64 d×d matrices, 47 MB for G = 10 at d = 768); the scalar-sum path
@@ -30,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy import stats
+from scipy import special, stats
 from torch import Tensor
 
 from .errors import UsageError
@@ -48,6 +50,7 @@ def jackknife_interval(
     *,
     level: float = 0.95,
     log_scale: bool = False,
+    logit_scale: bool = False,
 ) -> tuple[float, float]:
     """``estimate`` ± t_{G−1} · jackknife standard error from the G leave-one-group-out
     values. NaN bounds when a value is not finite (e.g. an infinite ratio).
@@ -55,7 +58,10 @@ def jackknife_interval(
     ``log_scale``: for a ratio, the interval of its logarithm, exponentiated. A ratio is
     positive and its sampling error multiplicative, so the interval stays positive and
     asymmetric where a symmetric one would run below zero. Applies where the estimate
-    and every leave-one-out value are positive; otherwise the plain interval."""
+    and every leave-one-out value are positive; otherwise the plain interval.
+    ``logit_scale``: for a share, the interval of its logit, mapped back, so it stays in
+    (0, 1) where a symmetric one would run past either end. Applies where the estimate and
+    every leave-one-out value lie strictly between 0 and 1; otherwise the plain interval."""
     values = np.asarray(leave_one_out, dtype=np.float64)
     if values.ndim != 1 or values.size < 2:
         raise UsageError(
@@ -69,6 +75,9 @@ def jackknife_interval(
     if log_scale and estimate > 0 and bool((values > 0).all()):
         low, high = jackknife_interval(np.log(values), math.log(estimate), level=level)
         return math.exp(low), math.exp(high)
+    if logit_scale and 0 < estimate < 1 and bool(((values > 0) & (values < 1)).all()):
+        low, high = jackknife_interval(special.logit(values), special.logit(estimate), level=level)
+        return float(special.expit(low)), float(special.expit(high))
     g = values.size
     se = math.sqrt((g - 1) / g * float(((values - values.mean()) ** 2).sum()))
     half = float(stats.t.ppf((1 + level) / 2, g - 1)) * se
@@ -115,7 +124,7 @@ def tangent_intervals(
     ratio, ratio_loo = energy_ratio(share, k, d), [energy_ratio(s, k, d) for s in share_loo]
     iso = [delta_iso_tangent(m, basis, zeta=zeta, reference=reference) for m in (total, *rest)]
     out = {
-        "tangent_share": jackknife_interval(share_loo, share, level=level),
+        "tangent_share": jackknife_interval(share_loo, share, level=level, logit_scale=True),
         "energy_ratio": jackknife_interval(ratio_loo, ratio, level=level, log_scale=True),
         "delta_iso_tangent": jackknife_interval(iso[1:], iso[0], level=level),
     }
@@ -164,13 +173,9 @@ def share_intervals(
     total = sums.sum(0)
     rows = [shares(float(t), float(e), k, d) for t, e in (total, *(total - sums))]
     out = {}
-    for name in ("tangent_share", "share_ratio"):
-        out[name] = jackknife_interval(
-            [r[name] for r in rows[1:]],
-            rows[0][name],
-            level=level,
-            log_scale=name == "share_ratio",
-        )
+    share = [r["tangent_share"] for r in rows]
+    out["tangent_share"] = jackknife_interval(share[1:], share[0], level=level, logit_scale=True)
+    out["share_ratio"] = tuple(v * d / k for v in out["tangent_share"])  # the share's, scaled
     ratios = [energy_ratio(r["tangent_share"], k, d) for r in rows]
     out["energy_ratio"] = jackknife_interval(ratios[1:], ratios[0], level=level, log_scale=True)
     if activation_sums is not None:

@@ -538,7 +538,7 @@ def energy_intervals(
     shares = [float((total[0] - e[0]) / (total[1] - e[1])) for e in seen]
     ratios = [energy_ratio(x, basis.k, basis.d) for x in shares]
     return {
-        "tangent_share": jackknife_interval(shares, share),
+        "tangent_share": jackknife_interval(shares, share, logit_scale=True),
         "energy_ratio": jackknife_interval(
             ratios, energy_ratio(share, basis.k, basis.d), log_scale=True
         ),
