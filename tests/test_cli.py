@@ -159,6 +159,11 @@ def test_probe_on_a_tiny_local_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     figures = {p.stem for p in (out / "figures").glob("*.png")}
     assert {"depth_profile", "head_heatmap"} <= figures
     assert 'id="head_heatmap"' in (out / "report.html").read_text()
+    assert json.loads((out / "manifest.json").read_text())["notes"] == []
+    rounded = [*PROBE_TINY, "--tokens", "250", "--layers", "0", "--out", str(tmp_path / "r")]
+    assert main(["probe", "--model", str(hf_folder("llama")), *rounded]) == 0
+    notes = json.loads((tmp_path / "r" / "manifest.json").read_text())["notes"]
+    assert notes == ["--tokens 250: 224 probed, in blocks of 32"]  # whole blocks, said
 
 
 def test_probe_on_the_real_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -174,6 +179,7 @@ def test_probe_on_the_real_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture
     assert len(heads) == 2 * 9  # SmolLM2-135M: 9 query heads per layer
     shares = results[(results["probe"] == "residual") & (results["statistic"] == "tangent_share")]
     assert shares["value"].between(0, 1).all()
+    assert "layers 0, 5" in (out / "report.html").read_text()  # the layers probed, not 0–5
 
 
 def test_demo_prints_each_claim_from_the_typed_claims(

@@ -236,11 +236,12 @@ def _probe_model(
     log(f"loading {name} ({backend}) …")
     with quiet_transformers():
         loaded = load(name, backend)
-    probes = ["residual", "attention"]
+    probes, notes = ["residual", "attention"], []
     if loaded.causal:
         probes.append("gradient")
     else:
-        log("encoder: no next-token loss, so the gradient probe is skipped")
+        notes.append("encoder: no next-token loss, so the gradient probe is skipped")
+        log(notes[-1])
     context = context_length(loaded.model)
     if context is not None and seq_len > context:
         log(f"--seq-len {seq_len} exceeds the model's context; using {context}")
@@ -248,6 +249,10 @@ def _probe_model(
     blocks = token_blocks(
         loaded.tokenizer, settings["text"], settings["tokens"], seq_len, settings["encoding"]
     )
+    probed = int((blocks.shape[0] - blocks.shape[0] // 2) * blocks.shape[1])
+    if probed != settings["tokens"]:  # whole blocks of --seq-len, as the text allows
+        notes.append(f"--tokens {settings['tokens']}: {probed} probed, in blocks of {seq_len}")
+        log(notes[-1])
     table, bases = probe_checkpoint(
         loaded.model,
         blocks,
@@ -268,8 +273,9 @@ def _probe_model(
         "source": loaded.source,
         "backend": backend,
         "tokens_fitted": int(blocks.shape[0] // 2 * blocks.shape[1]),
-        "tokens_probed": int((blocks.shape[0] - blocks.shape[0] // 2) * blocks.shape[1]),
+        "tokens_probed": probed,
         "probes": probes,
+        "notes": notes,
         "seconds": round(time.perf_counter() - start, 1),
         "tangentlens_version": __version__,
         "bases": bases.provenance,

@@ -441,8 +441,8 @@ k-dimensional orthonormal basis, *uniform* frames are drawn from the whole space
 p-values), *normal* ones orthogonal to Q_T (the paper's controls). Where a row has
 `ci_low`/`ci_high`, they are a 95 % delete-a-group jackknife interval over groups of whole
 sequences (ratios on the log scale, shares on the logit scale, so neither leaves its range;
-`share_ratio`'s is the share's times d/k). The `probe` column says which probe emitted a row. `tangentlens.core.results.write`
-refuses a name not listed here; register your own with
+`share_ratio`'s is the share's times d/k). The `probe` column says which probe emitted a row.
+`tangentlens.core.results.write` refuses a name not listed here; register your own with
 `tangentlens.core.catalogue.register(Statistic(...))`.
 """
 

@@ -160,8 +160,15 @@ def _describe(t: pd.DataFrame, all_ranks: list[int], extra: list[str]) -> str:
     if extra:
         parts.append("with " + ", ".join(extra))
     if len(layers):
-        parts.append(f"layers {int(layers.min())}–{int(layers.max())}")
+        parts.append(f"layers {_layer_list(sorted({int(v) for v in layers}))}")
     return ", ".join(parts)
+
+
+def _layer_list(seen: list[int]) -> str:
+    """``0–29`` for every layer between the ends, else the layers themselves (``0, 3``)."""
+    if len(seen) > 2 and seen[-1] - seen[0] == len(seen) - 1:
+        return f"{seen[0]}–{seen[-1]}"
+    return ", ".join(map(str, seen))
 
 
 def _html(
