@@ -207,6 +207,7 @@ def test_results_table_agrees_with_transformer_lens(arch: str) -> None:
     batches = _batches(arch)
     bases = fit_bases(tl, batches, rank=4, progress=False)
     nn_bases = fit_bases(nn_model, batches, rank=4, progress=False)
+    assert nn_bases.provenance["model"] == bases.provenance["model"]  # the folder, on both
     for name in bases:
         torch.testing.assert_close(
             bases.moments[name].gram, nn_bases.moments[name].gram, rtol=1e-5, atol=1e-5

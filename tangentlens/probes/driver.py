@@ -46,6 +46,18 @@ def _forward(model: Any, ids: Tensor, mask: Tensor | None) -> Tensor:
     return model(ids) if mask is None else model(ids, attention_mask=mask)
 
 
+def _model_id(model: Any) -> str:
+    """What a basis's provenance names as its model, alike on both backends: the bridge's
+    ``cfg.model_name``, else the Hugging Face ``name_or_path`` (the folder or hub id an
+    nnsight model was loaded from), else the class."""
+    name = getattr(getattr(model, "cfg", None), "model_name", None)
+    if name:
+        return str(name)
+    inner = unwrap(model, strict=False)
+    path = getattr(getattr(inner, "config", None), "name_or_path", "")
+    return str(path) if path else type(inner).__name__
+
+
 def lm_loss(model: Any, batch: Any, *, per_sequence: bool = False) -> Tensor:
     """Summed next-token cross-entropy over real (unpadded) token pairs.
 
@@ -382,7 +394,7 @@ def fit_bases(
             "the attention masks)."
         )
     info = {
-        "model": str(getattr(getattr(model, "cfg", None), "model_name", type(model).__name__)),
+        "model": _model_id(model),
         "d_model": backend.d_model,
         "n_layers": backend.n_layers,
         "rank": rank,
