@@ -135,3 +135,22 @@ def test_draw_masked_masks_only_eligible_positions_and_at_least_one_per_row() ->
     assert chosen[:-1].any(1).all() and not chosen[-1].any()
     assert torch.equal(chosen, draw_masked(eligible, 0.15, seed=7))
     assert not torch.equal(chosen, draw_masked(eligible, 0.15, seed=8))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_text_gives_both_backends_the_same_ids(arch: str) -> None:
+    """A bridge's tokenizer adds BOS, the same Hugging Face tokenizer under nnsight may
+    not: text reads as `to_tokens` does on both (BOS first where there is one)."""
+    from models import hf_folder
+    from transformers import AutoTokenizer
+
+    bridge = tl_bridge(arch)
+    plain = AutoTokenizer.from_pretrained(hf_folder(arch))
+    ours, theirs = text_batches(bridge.tokenizer, TEXTS), text_batches(plain, TEXTS)
+    for a, b in zip(ours, theirs, strict=True):
+        a, b = (x if isinstance(x, dict) else {"input_ids": x} for x in (a, b))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for text in TEXTS:  # one text: a plain (1, pos) tensor, as to_tokens gives it
+        ids = text_batches(plain, text)[0]
+        assert int(ids[0, 0]) == plain.bos_token_id
+        assert torch.equal(ids, bridge.to_tokens(text).cpu())

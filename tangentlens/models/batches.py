@@ -7,7 +7,8 @@ effects) takes ``batches`` through `as_batches`, so the same things work everywh
 - a dict with ``input_ids`` (and ``attention_mask``): one batch;
 - a string, or a list of strings: tokenised with the model's own tokenizer
   (``model.tokenizer`` on a TransformerLens bridge or an nnsight ``LanguageModel``),
-  ``batch_size`` texts to a batch, right-padded with an attention mask;
+  each text after the tokenizer's BOS token (as ``to_tokens`` reads text, on both
+  backends), ``batch_size`` texts to a batch, right-padded with an attention mask;
 - any other iterable: its items, each one of the above.
 
 `text_batches` does the tokenising for a tokenizer the caller holds.
@@ -114,7 +115,10 @@ def text_batches(
     Texts of unequal length need padding, and a pad id can also be a real token; a batch
     that needs padding therefore carries its ``attention_mask`` explicitly, so no
     statistic ever counts a pad position. The tokenizer is not modified (the padding is
-    ours, so a tokenizer without a pad token works).
+    ours, so a tokenizer without a pad token works). Each text starts with the
+    tokenizer's BOS token where it has one, as TransformerLens' ``to_tokens`` reads text:
+    a bridge's tokenizer adds it and the same Hugging Face tokenizer under nnsight may
+    not, and a text must give both backends the same ids (pass token ids to choose).
 
     Args:
         tokenizer: A Hugging Face tokenizer (``model.tokenizer``, ``load(...).tokenizer``).
@@ -144,7 +148,8 @@ def text_batches(
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     if max_length is not None:
         max_length = check_int(max_length, "max_length", minimum=1)
-    encoded = [list(tokenizer(t)["input_ids"])[:max_length] for t in texts]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    encoded = [_with_bos(list(tokenizer(t)["input_ids"]), bos)[:max_length] for t in texts]
     empty = [i for i, e in enumerate(encoded) if not e]
     if empty:
         raise UsageError(f"texts {empty} tokenise to nothing; drop them or add text.")
@@ -161,6 +166,10 @@ def text_batches(
             mask[row, : len(seq)] = 1
         out.append(ids if bool(mask.all()) else {"input_ids": ids, "attention_mask": mask})
     return out
+
+
+def _with_bos(ids: list[int], bos: int | None) -> list[int]:
+    return ids if bos is None or (ids and ids[0] == bos) else [int(bos), *ids]
 
 
 def _is_text(x: Any) -> bool:
