@@ -160,8 +160,10 @@ _BASE = [
        "n = 20)"),
     _S("normalized_ratio", ("gradient", "weight_gradient"),
        "energy_ratio of the gradient object over the same closed-form ratio of the site's "
-       "activations (their uncentred second moment E[x xᵀ], same tokens): the random-backprop "
-       "null, since for Δ independent of x, E[G Gᵀ] ∝ E[x xᵀ]", _GRAD + _STUDY,
+       "activations (their uncentred second moment E[x xᵀ] over the same sequences; every "
+       "real token, so also each sequence's last position, whose gradient is zero under the "
+       "next-token loss: one token in L at L tokens a sequence): the random-backprop null, "
+       "since for Δ independent of x, E[G Gᵀ] ∝ E[x xᵀ]", _GRAD + _STUDY,
        "1: the gradients favour Q_T only as much as the activations do; >1: more"),
     _S("delta_iso_tangent", "gradient",
        "ΔIso*_T = IsoScore*(gradient covariance after removing Q_T) − IsoScore*(before). "
