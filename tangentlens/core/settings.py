@@ -63,7 +63,9 @@ BACKEND = Setting(BACKENDS[0], "model library")
 ENCODING = Setting("utf-8", "encoding of the text files, read strictly, e.g. latin-1")
 TEXT = Setting(None, "text file or folder of .txt files", shown="the King James Bible")
 RANK = Setting(16, "rank of Q_T")
-N_CONTROLS = Setting(1000, "random frames per test")
+N_CONTROLS = Setting(
+    1000, "random frames per energy and isotropy test; the heads' null has its own"
+)
 SEED = Setting(0, "random seed")
 WORLD_SIZE = Setting(1, "data-parallel processes")
 SEEDS = Setting(None, "training seeds, comma-separated", shown="one series")
