@@ -128,7 +128,8 @@ class AttentionProbe(Probe):
     ``{statistic}_p_value`` (two-sided, floor 1/(head_null + 1): enough frames for 0.01
     by default) and, from `MIN_Z_FRAMES` frames on, ``{statistic}_z``: a z whose spread
     comes from a few frames is not a measure of anything (`null_summary`). ``head_null=0``
-    turns the null off; it needs at least 2 frames otherwise. The frames lie outside Q_T,
+    turns the null off; it needs at least 2 frames otherwise, and 2k < d (at 2k = d every
+    frame spans the complement itself: no null). The frames lie outside Q_T,
     so they are not exchangeable with it: the p-value is exact only as k/d → 0, and
     anti-conservative by a margin of order k/d (as the gradient probe's normal controls).
 

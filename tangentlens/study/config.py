@@ -225,7 +225,8 @@ def _check_probes(probes: Any) -> tuple[str, ...]:
 def open_series(source: str) -> Any:
     """A `CheckpointSeries` from a local folder, or from hub revisions for an ``owner/name``
     id that is not a local path. Errors of the series (missing folder, no checkpoints,
-    mixed shapes) surface unchanged."""
+    mixed shapes) surface unchanged; a `tangentlens train` folder missing a checkpoint its
+    schedule wrote is a `UsageError` naming the steps (a rerun of train rebuilds them)."""
     path = Path(source).expanduser()
     if not path.exists() and is_hub_id(source):
         return CheckpointSeries.from_hub(source)
