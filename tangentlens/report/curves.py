@@ -196,8 +196,9 @@ def isotropy_figure(t: pd.DataFrame) -> tuple[Figure, str] | None:
         axes = [ax]
         mt, mn = float(both["value"].mean()), float(both["value_normal"].mean())
         reading = (
-            f"ΔIsoScore*, {where}, this checkpoint: removing Q_T {mt:+.3f}, removing a normal "
-            f"control {mn:+.3f}; the summary decides from each site's interval."
+            f"ΔIsoScore*, {where}, this checkpoint: removing Q_T {mt:+.3g}, removing a normal "
+            f"control {mn:+.3g} (excess {mt - mn:+.3g}); the summary decides from each site's "
+            "interval."
         )
     ax.axhline(0.0, color="gray", lw=0.8)
     ax.set_ylabel("ΔIsoScore* after removal")
