@@ -772,6 +772,12 @@ def test_attention_probe_respects_the_window() -> None:
     marked.update(Observation(site, x))
     rows = [r for r in marked.rows() if r["statistic"] == "linearised_qk_norm"]
     assert [(r["hook"], r["head"], r["value"]) for r in rows] == [(site.hook_name, None, 1.0)]
+    from tangentlens.core import results
+    from tangentlens.report.figures import FIGURES
+
+    table = results.frame(marked.rows(), ("checkpoint", "step", "window", "rank"))
+    _, reading = FIGURES["head_heatmap"][1](table)
+    assert "rest on that linearisation" in reading  # the heatmap's caption says so
 
 
 # ------------------------------------------------------------------- many bases at once

@@ -203,6 +203,14 @@ def _heatmap(t: pd.DataFrame) -> tuple[Figure, str] | None:
         f"layer {int(last.index[layer])}, head {int(last.columns[head])} "
         f"({last.to_numpy()[layer, head]:.2f}).{null}"
     )
+    linear = sorted({str(s) for s in t["statistic"].unique() if str(s).startswith("linearised_")})
+    if linear:  # q/k norms over each head: the split is of their linearisation
+        what = ", ".join(name.removeprefix("linearised_") for name in linear)
+        reading += (
+            f" This model normalises its queries and keys ({what}): the split holds each "
+            "norm's scale at its value on the full query or key, per token and head, so "
+            "these shares rest on that linearisation (the linearised_qk_norm rows)."
+        )
     return fig, reading
 
 
