@@ -20,7 +20,7 @@ makes Q_T exchangeable with the controls under any rotation-invariant null, so i
 p-values are exact. ``controls="normal"`` is the paper's design: frames orthogonal to
 Q_T. They are not exchangeable with Q_T (the complement loses whatever Q_T happens to
 hold), so the test is anti-conservative when k/d is not small, and calling a test with
-them warns (`ExchangeabilityWarning`) above k/d = 0.05. `tests/test_significance.py`
+them warns (`ExchangeabilityWarning`) from k/d = 0.05 on. `tests/test_significance.py`
 checks the calibration of both under isotropic Gaussian gradients. `tangent_tests` reports
 both, labelled (``p_value`` and ``p_value_normal``), without warning. The paper used 20
 controls (smallest possible p = 1/21); the default here is 1,000.
@@ -459,7 +459,7 @@ def _energy_statistics(
 ) -> dict[str, float | None]:
     """The energy test's named statistics for the second moment ``h`` (a `Moments` stands
     for its own): uniform controls, plus normal ones (labelled, so no warning) where they
-    fit (2k ≤ d)."""
+    vary (2k < d)."""
     total, share = _energy_inputs(h, basis)
     energy = _energy(
         total,
@@ -527,7 +527,7 @@ def tangent_tests(
     ``p_value``, ``isotropy_p_value`` and ``iso_statistic`` (ΔIso*_T minus its mean over
     the controls) use uniform controls: exact. ``p_value_normal``, ``delta_iso_normal``
     and ``isotropy_p_value_normal`` use the paper's normal controls (labelled, so no
-    warning; left out when 2k > d, where no normal control fits). ``normalized_ratio``
+    warning; left out when 2k ≥ d, where normal controls cannot vary). ``normalized_ratio``
     needs ``activation_moments``. One tridiagonal reduction serves all of them (two with a
     ``reference`` that is not a multiple of the covariance, such as a pool of several
     checkpoints), and the same controls as `energy_test` and `isotropy_test`.
@@ -567,7 +567,7 @@ def matrix_tests(
     are not moments of vectors, such as Σ G Gᵀ over weight gradients G.
 
     ``tangent_share``, ``chance_share``, ``energy_ratio`` (closed form), ``p_value``
-    (uniform controls), ``p_value_normal`` (normal controls; left out when 2k > d) and,
+    (uniform controls), ``p_value_normal`` (normal controls; left out when 2k ≥ d) and,
     with ``activation_moments`` or ``activation_share`` (the tangent share of the
     activations' uncentred second moment, all ``normalized_ratio`` reads of them, so a
     probe with a fixed basis keeps two energies instead of d × d moments),

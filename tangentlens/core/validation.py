@@ -183,15 +183,16 @@ def check_backend(backend: Any) -> str:
 
 
 def max_rank(d: int, controls: str = "uniform") -> int:
-    """The largest rank a test with these controls takes at dimension ``d``: a normal
-    control of rank k must fit in the (d − k)-dimensional complement."""
-    return d // 2 if check_controls(controls) == "normal" else d - 1
+    """The largest rank a test with these controls takes at dimension ``d``: normal
+    controls of rank k must vary in the (d − k)-dimensional complement, so 2k < d (at
+    2k = d every one spans the complement itself)."""
+    return (d - 1) // 2 if check_controls(controls) == "normal" else d - 1
 
 
 def check_rank(rank: Any, d: int, controls: str | None = None, *, name: str = "rank") -> int:
-    """A rank k with 1 <= k < d (and k <= d − k for normal controls). The CLI and the API
-    both take k < d (``controls=None``): above d/2 the ``_normal`` statistics are left out
-    with a warning, the uniform-control ones stay."""
+    """A rank k with 1 <= k < d (and 2k < d for normal controls). The CLI and the API
+    both take k < d (``controls=None``): from d/2 on the ``_normal`` statistics are left
+    out with a warning, the uniform-control ones stay."""
     limit = d - 1 if controls is None else max_rank(d, controls)
     if not is_int(rank) or rank < 1:
         raise UsageError(f"{name} must be a positive int; got {rank!r}.")

@@ -3,12 +3,14 @@ stores, the pages show and the CLI prints.
 
 A `Claim` carries the number its verdict reads (`Claim.estimate`, a value with its 95 %
 interval) and the numbers that put it in context (the late window beside a difference,
-the encoder beside the decoder, the other embedding centres beside the weighted one).
-With several training seeds the estimate is the between-seed interval (`between`) and
-each seed's own number, with its interval over probe tokens, is in `per_seed`; with one
-seed the estimate is that seed's number and its interval covers probe tokens only
-(`interval_covers`). A dynamics claim also carries its window panel (`panel`, one
-`PanelEntry` per window definition), a "concentrated" claim its threshold τ and strength,
+each model's own beside decoder − encoder, the other embedding centres beside the
+weighted one). With several training seeds the estimate is the between-seed interval
+(`between`) and each seed's own number, with its interval over probe tokens, is in
+`per_seed`; with one seed the estimate is that seed's number and its interval covers
+probe tokens only (the frequency claim: embedding rows; decoder − encoder: no interval,
+the two models' token intervals are compared) (`interval_covers`). A dynamics claim also
+carries its window panel (`panel`, one `PanelEntry` per window definition), a
+"concentrated" claim its threshold τ and strength,
 and a claim tested across seeds its p-value and Holm-adjusted p-value.
 
 Its JSON form is a flat record (``claim``, ``paper``, ``statistic``, ``model``,
@@ -21,6 +23,7 @@ reads it back, and reads records without the later keys as one seed's claims.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -217,6 +220,8 @@ class Claim:
         vocabulary rows the corpus holds)."""
         if self.between is not None:
             return "training seeds"
+        if self.name == "encoders_weaker":  # one seed each: the two token intervals
+            return "probe tokens of each model"
         return "embedding rows" if self.name == "frequency" else "probe tokens"
 
     def numbers(self) -> dict[str, Estimate | None]:
@@ -288,7 +293,11 @@ class Claim:
 
     def describe_numbers(self) -> str:
         """Every number, each under its key: ``early 3.1 [0.8, 5.4]; late ...``."""
-        return "; ".join(f"{k} {v}" for k, v in self.numbers().items() if v is not None)
+        return "; ".join(
+            f"{k} {v}" if math.isfinite(v.low) else f"{k} {v.value:.3g}"
+            for k, v in self.numbers().items()
+            if v is not None
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON record (see the module docstring)."""

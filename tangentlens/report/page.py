@@ -391,7 +391,8 @@ def write_overview(
         f"<h1>{esc(title)}</h1>",
         '<p class="meta">With several training seeds a verdict comes from the between-seed '
         "95 % t-interval and a t-test against the paper's line, Holm-corrected across the "
-        "claims; with one seed the interval covers probe sequences only and a verdict can only "
+        "claims; with one seed the interval covers probe sequences (embedding rows for the "
+        "frequency claim; none for a difference of two models) and a verdict can only "
         "suggest. A dynamics claim must hold under every window definition (else "
         "window-dependent), the frequency claim for every embedding centre; the weight "
         "gradient is read over its random-backprop null (normalized_ratio). See "

@@ -41,7 +41,8 @@ def results_markdown(summary: Mapping[str, Any], *, made: str, source: str) -> s
         f"{', '.join(map(str, seeds)) or 'one'}). Each verdict comes from the interval "
         "named in its row: over training seeds where there are several (a t-interval over "
         "the per-seed estimates, Holm-corrected across the claims), over probe tokens "
-        "where there is one seed (then a verdict can only *suggest*); it must hold under "
+        "(embedding rows for the frequency claim; none for decoder − encoder) where there "
+        "is one seed (then a verdict can only *suggest*); it must hold under "
         "every window definition of the panel. The *test* column gives the between-seed "
         "p-value and its Holm adjustment: a claim is decided only when the adjusted p is "
         'below 0.05, so an interval that excludes the line can sit beside "inconclusive". '

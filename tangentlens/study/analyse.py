@@ -366,7 +366,7 @@ def analyse(
         rows.rows.append({"probe": "window", **record})
     frame = rows.frame()
     notes = []
-    if max(cfg.ranks) / d > 0.05:
+    if max(cfg.ranks) / d >= 0.05:  # where `energy_test` warns
         notes.append(
             f"k/d up to {max(cfg.ranks)}/{d}: normal controls are not exchangeable with Q_T, "
             "so p_value_normal and isotropy_p_value_normal are anti-conservative; p_value "

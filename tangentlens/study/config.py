@@ -178,7 +178,7 @@ class StudyConfig:
         return (self.rank,) if is_int(self.rank) else tuple(self.rank)
 
     def check_ranks(self, d: int) -> None:
-        """Every rank must take normal controls too (``p_value_normal``): k <= d/2."""
+        """Every rank must take normal controls too (``p_value_normal``): 2k < d."""
         for k in self.ranks:
             check_rank(k, d, "normal", name="StudyConfig.rank")
 
