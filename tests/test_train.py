@@ -174,6 +174,10 @@ def test_a_deleted_checkpoint_is_rebuilt_and_the_study_names_it_first(tiny_run, 
     assert _hashes(out) == _hashes(tiny_run)
     assert (out / "step16" / "model.safetensors").stat().st_mtime_ns == kept
     assert open_series(str(out)).steps == open_series(str(tiny_run)).steps
+    last = max(int(p.name[4:]) for p in out.glob("step*"))
+    shutil.rmtree(out / f"step{last}")  # the last one too: the state says it was written
+    with pytest.raises(UsageError, match=rf"steps \[{last}\]"):
+        open_series(str(out))
 
 
 @pytest.mark.parametrize("kill_after", ["step8", "step40"])

@@ -309,8 +309,8 @@ def causal_effects(
         ``p_value_floor`` = 1 / (n_null + 1).
 
     Raises:
-        UsageError: An unknown ``part``, ``n_null`` below 2, bases of another site, or
-            no site with a basis selected.
+        UsageError: An unknown ``part``, ``n_null`` below 2, bases of another site, no
+            site with a basis selected, or an encoder without a ``metric``.
 
     Example:
         With ``model`` from `load`, ``texts`` a list of strings and ``bases`` from
@@ -422,8 +422,9 @@ def head_effects(
         (read it as ``table["head"]``: ``table.head`` is the DataFrame method).
 
     Raises:
-        UsageError: An unknown ``part``, ``n_null`` below 2, no basis at ``attn_in``, or
-            a model with q/k norms (the norm would rescale the edit).
+        UsageError: An unknown ``part``, ``n_null`` below 2, no basis at ``attn_in``, a
+            model with q/k norms (the norm would rescale the edit), or an encoder without a
+            ``metric``.
 
     Example:
         With ``model`` a TransformerLens bridge from `load`, ``texts`` a list of

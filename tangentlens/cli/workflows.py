@@ -456,8 +456,9 @@ def _one_design(configs: Mapping[int, StudyConfig]) -> None:
     """Refuse seeds of different designs before any study runs: an interval over seeds
     pools replications of one training design, studied one way. Their series must have
     checkpoints at the same steps, and their study and training settings must agree but
-    for the series, the seed and the seed of the held-out split (a run trained on its own
-    draws its split from its seed; other text to probe is part of what a seed varies)."""
+    for the series, the seed, the seed of the held-out split (a run trained on its own
+    draws its split from its seed; other text to probe is part of what a seed varies) and
+    the thread count it trained on."""
 
     def settings(cfg: StudyConfig) -> dict[str, Any]:
         trained = {f"train {k}": v for k, v in _train_record(cfg.checkpoints).items()}

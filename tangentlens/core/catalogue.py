@@ -181,7 +181,8 @@ _BASE = [
        + _ISO_DEF, _GRAD + _CONTROLS + "; ζ and R",
        "0: removing Q_T raises IsoScore* no more than a random frame; >0: more", _ISO_OPTION),
     _S("isotropy_p_value", "gradient",
-       "(1 + #{ΔIso*_Q ≥ ΔIso*_T})/(n + 1) over n uniformly random k-frames Q (same ζ, R). "
+       "(1 + #{ΔIso*_Q ≥ ΔIso*_T})/(n + 1) over n uniformly random k-frames Q (same ζ, R; "
+       "a ΔIso*_Q within 16 float32 rounding steps of ΔIso*_T, absolute, counts as a tie). "
        + _ISO_DEF, _GRAD + _CONTROLS + "; ζ and R",
        "small: removing Q_T makes the gradients more isotropic than removing a random frame",
        _ISO_OPTION + "; controls: uniform (exact)"),
@@ -442,8 +443,10 @@ orthonormal basis (d × k) fitted by centred PCA on activations at a site; a *fr
 k-dimensional orthonormal basis, *uniform* frames are drawn from the whole space (exact
 p-values), *normal* ones orthogonal to Q_T (the paper's controls). Where a row has
 `ci_low`/`ci_high`, they are a 95 % delete-a-group jackknife interval over groups of whole
-sequences (ratios on the log scale, shares on the logit scale, so neither leaves its range;
-`share_ratio`'s is the share's times d/k). The `probe` column says which probe emitted a row.
+sequences (the probes' ratios on the log scale and shares on the logit scale, so neither
+leaves its range, `share_ratio`'s the share's times d/k; a study's window rows plainly),
+except where a row says otherwise (Pearson and Spearman r: Fisher's z; linear probes: a t
+interval over folds). The `probe` column says which probe emitted a row.
 `tangentlens.core.results.write` refuses a name not listed here; register your own with
 `tangentlens.core.catalogue.register(Statistic(...))`.
 """

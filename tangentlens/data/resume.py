@@ -43,6 +43,7 @@ __all__ = [
     "missing_steps",
     "resumable",
     "start_over",
+    "trained_to",
 ]
 
 CONFIG_FILE = "train_config.json"
@@ -87,17 +88,25 @@ def missing_steps(out: Path, steps: list[int], upto: int | None = None) -> list[
     return [s for s in steps if (upto is None or s <= upto) and not (out / f"step{s}").is_dir()]
 
 
+def trained_to(out: Path) -> int | None:
+    """The step a run's training state resumes from (the last checkpoint it wrote), or
+    None without a readable one."""
+    if not (out / STATE_FILE).is_file():
+        return None
+    try:
+        return int(load_tensors(out / STATE_FILE)[1]["step"])
+    except (KeyError, ValueError):
+        return None
+
+
 def resumable(out: Path, steps: list[int]) -> bool:
     """Whether the training state resumes ``out``: it exists, and no scheduled checkpoint
     up to its step is missing (else training starts again from step 0). A state without a
     step is resumable here, so that the resume names the file and the fix."""
     if not (out / STATE_FILE).exists():
         return False
-    try:
-        step = int(load_tensors(out / STATE_FILE)[1]["step"])
-    except (KeyError, ValueError):
-        return True
-    return not missing_steps(out, steps, step)
+    step = trained_to(out)
+    return step is None or not missing_steps(out, steps, step)
 
 
 def check_inputs(out: Path, inputs: Mapping[str, str], corpus: str | None) -> None:

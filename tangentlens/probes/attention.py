@@ -20,6 +20,7 @@ and BERT bridges it is the post-softmax pattern.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -197,7 +198,14 @@ class AttentionProbe(Probe):
                     f"{params.d_model}; fit the basis at this layer's attention input."
                 )
             self.add_state(site.hook_name, lambda n=params.n_heads: AttentionAccumulator(n))
-            if self.head_null and 2 * basis.k < basis.d:
+            if self.head_null and 2 * basis.k >= basis.d:  # a table loses no column unsaid
+                warnings.warn(
+                    f"{site.hook_name}: rank {basis.k} at d={basis.d} leaves no room for varied "
+                    "null frames (2k >= d), so the heads' null rows are left out there; fit a "
+                    "rank below d/2 for them.",
+                    stacklevel=4,
+                )
+            elif self.head_null:
                 frames = normal_controls(basis, self.head_null, seed=seed + site.layer)
                 self.null_bases[site] = [TangentBasis(f) for f in frames]
                 self.add_state(

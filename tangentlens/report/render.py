@@ -66,7 +66,7 @@ def run_digests(runs: Mapping[str, Path]) -> dict[str, str]:
 def _check_runs(folder: Path, recorded: object) -> None:
     """Refuse a folder whose runs are not those its summary's claims came from (one
     missing, added, swapped with another or changed since). A summary without the record
-    (another tool's, an earlier version's) is read as it is."""
+    (one written without it) is read as it is."""
     if recorded is None:
         return
     found = run_digests(run_folders(folder))

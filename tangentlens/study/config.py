@@ -25,7 +25,7 @@ from ..core.validation import (
     is_int,
 )
 from ..data.checkpoints import CheckpointSeries
-from ..data.resume import CONFIG_FILE
+from ..data.resume import CONFIG_FILE, trained_to
 from ..data.train import TrainConfig
 from ..hooks.sites import RESIDUAL_KINDS
 from ..models.loading import is_hub_id
@@ -233,7 +233,8 @@ def open_series(source: str) -> Any:
     series = CheckpointSeries.from_folder(path)
     if (path / CONFIG_FILE).is_file():  # a `tangentlens train` folder: its schedule is known
         config = TrainConfig.from_dict(read_json(path / CONFIG_FILE))
-        gone = [s for s in config.steps if s < series.steps[-1] and s not in series.steps]
+        upto = max(series.steps[-1], trained_to(path) or 0)  # what its training wrote
+        gone = [s for s in config.steps if s <= upto and s not in series.steps]
         if gone:
             raise UsageError(
                 f"{path} lacks the checkpoints of steps {gone}, which its training wrote; "
