@@ -872,6 +872,25 @@ def test_probe_blocks_match_whole_terms(arch: str, window: int | None) -> None:
             torch.testing.assert_close(got.results()[stat][j], want, rtol=tol, atol=1e-12)
 
 
+def test_head_null_at_half_rank_is_left_out_with_a_warning() -> None:
+    """At 2k = d every null frame spans the complement of Q_T itself, so the frames could
+    not vary: the probe warns, naming the hook, keeps Q_T's own rows and writes no null
+    row, where the same probe one rank lower keeps its null."""
+    params = params_from_bridge(bridge("llama"), LAYER)
+    site = Site(LAYER, "attn_in")
+    x = torch.randn(2, POS, D, generator=torch.Generator().manual_seed(5))
+    with pytest.warns(UserWarning, match=site.hook_name):
+        half = AttentionProbe({site: (random_basis(D // 2), params)}, head_null=3)
+    below = AttentionProbe({site: (random_basis(D // 2 - 1), params)}, head_null=3)
+    for probe in (half, below):
+        probe.update(Observation(site, x))
+    stats = [{r["statistic"] for r in p.rows()} for p in (half, below)]
+    assert "score_share_TT" in stats[0] and "score_share_TT" in stats[1]
+    assert site not in half.null_bases and len(below.null_bases[site]) == 3
+    assert not any("null" in s for s in stats[0])
+    assert any("null" in s for s in stats[1])
+
+
 def test_masked_exp_matches_torch_with_inf_masks() -> None:
     """`_Block`'s pattern and `_logsumexp_` clamp masked entries before exp (whose
     underflow path is slow on CPU) yet give torch's softmax and logsumexp with −inf

@@ -380,6 +380,8 @@ def test_paper_claims_are_typed_and_round_trip_through_json() -> None:
     assert pair.verdict == "suggests agrees" and pair.statistic.endswith("normalized_ratio")
     # the tested number is the difference (one seed each: no interval), then each model's
     assert pair.measured == "1.8; decoder 3 [2, 4]; encoder 1.2 [0.9, 1.5]"
+    assert pair.interval_covers == "probe tokens of each model"
+    assert "nan" not in pair.describe_numbers()  # a number without interval shows alone
     late = by["decoder", "weight_gradient", "energy_late"]
     assert late.measured == "-1 [-1.5, -0.5]; late 2 [1, 3]"
     record = late.to_dict()

@@ -582,9 +582,11 @@ def test_window_with_fewer_than_two_checkpoints(series_dir, tmp_path):
     _one_line(err)
 
 
-def test_rank_too_large_for_the_model(series_dir, tmp_path):
-    with pytest.raises(ValueError, match="rank 20 is too large for d_model=32") as err:
-        Study(_config(series_dir, rank=20)).run(tmp_path / "out")
+@pytest.mark.parametrize("rank", [16, 20])
+def test_rank_too_large_for_the_model(series_dir, tmp_path, rank):
+    """Normal controls must vary in the complement: 2k < d, so d = 32 takes rank 15."""
+    with pytest.raises(ValueError, match=f"rank {rank} is too large for d_model=32") as err:
+        Study(_config(series_dir, rank=rank)).run(tmp_path / "out")
     _one_line(err)
 
 
