@@ -140,6 +140,7 @@ def test_syrk_is_the_symmetric_sum_of_products(dtype, threads):
     torch.set_num_threads(threads)
     try:
         got = syrk(blocks)
+        copied, viewed = syrk([blocks[0].T.contiguous()]), syrk([blocks[0].T])
     finally:
         torch.set_num_threads(before)
     want = sum(b.double() @ b.double().T for b in blocks)
@@ -147,4 +148,9 @@ def test_syrk_is_the_symmetric_sum_of_products(dtype, threads):
     tol = 1e-5 if dtype == torch.float32 else 1e-13
     torch.testing.assert_close(got.double(), want, rtol=0, atol=tol * float(want.abs().max()))
     assert all(torch.equal(b, k) for b, k in zip(blocks, kept, strict=True))
-    assert torch.equal(syrk([blocks[0].T.contiguous()]), syrk([blocks[0].T]))
+    # a transposed view (a weight's gradient) goes to ?syrk without a copy, the same
+    # sums; torch's product may take another kernel for the view, so round otherwise
+    if threads == 1:
+        assert torch.equal(copied, viewed)
+    scale = tol * float(copied.abs().max())
+    torch.testing.assert_close(copied, viewed, rtol=0, atol=scale)
