@@ -220,6 +220,43 @@ def test_removing_a_part_at_resid_mid_edits_the_stream_not_only_the_mlp_input(
     assert abs(by_hand) > 1e-3  # the stream's edit, far from the MLP input's alone
 
 
+def test_removing_a_part_at_bert_resid_mid_edits_the_stream_once(one_thread) -> None:
+    """BERT's resid_mid is its output LayerNorm's input, the stream itself: the edit there
+    reaches resid_post through the LayerNorm, and nothing is added after it (a change
+    re-added at resid_post would count twice), on the bridge and on nnsight alike."""
+    import nnsight
+    from models import hf_model
+
+    from tangentlens.core.subspace import TangentBasis
+
+    name, batch = "blocks.1.hook_resid_mid", tokens("bert", seed=3)
+    q = torch.linalg.qr(torch.randn(32, 4, generator=torch.Generator().manual_seed(4)))[0]
+    bases = {name: TangentBasis(q.double())}
+
+    def metric(model, batch):  # the logits' energy: any encoder output will do
+        out = model(batch["input_ids"] if isinstance(batch, dict) else batch)
+        return getattr(out, "logits", out).float().pow(2).mean()
+
+    hf = hf_model("bert")
+    with torch.no_grad():
+        clean = float(metric(hf, batch))
+        norm = hf.bert.encoder.layer[1].output.LayerNorm
+        handle = norm.register_forward_pre_hook(lambda m, a: (a[0] - a[0] @ q @ q.T,))
+        try:
+            by_hand = float(metric(hf, batch)) - clean
+        finally:
+            handle.remove()
+    for subject in (tl_bridge("bert"), nnsight.NNsight(hf)):
+        assert not get_backend(subject).mid_on_branch(1)
+        found = causal_effects(
+            subject, [batch], bases, sites=name, n_null=2, metric=metric, progress=False
+        )
+        effect = float(found.set_index("statistic")["value"]["delta_metric"])
+        assert effect == pytest.approx(by_hand, rel=1e-4, abs=1e-7)
+    assert abs(by_hand) > 1e-5
+    assert get_backend(tl_bridge("llama")).mid_on_branch(1)
+
+
 def test_the_default_metric_counts_the_pairs_it_sums_and_refuses_an_encoder(
     llama, one_thread
 ) -> None:

@@ -188,16 +188,17 @@ def _stream_edit(
     backend: Backend, site: Site, chunk: Sequence[TangentBasis], part: str
 ) -> list[Any]:
     """Hooks that remove ``part`` from the residual stream at ``site`` (copy j of a stacked
-    batch by ``chunk[j]``), returning their handles. A ``resid_mid`` hook is the MLP
-    branch's input (``ln2.hook_in``; the post-attention norm's input on nnsight): the
-    skip path carries the stream past it unedited, so the same change is added again at
-    that layer's ``resid_post``, which makes the stream there that of the edited
-    ``resid_mid`` plus the MLP's output on it."""
+    batch by ``chunk[j]``), returning their handles. Where a ``resid_mid`` hook is the MLP
+    branch's input (`Backend.mid_on_branch`: ``ln2.hook_in``, the post-attention norm's
+    input on nnsight), the skip path carries the stream past it unedited, so the same
+    change is added again at that layer's ``resid_post``, which makes the stream there
+    that of the edited ``resid_mid`` plus the MLP's output on it. BERT's resid_mid is the
+    stream itself (its output LayerNorm's input): the edit alone reaches resid_post."""
 
     def edit(b: TangentBasis, x: Tensor) -> Tensor:
         return ablate(b, part)(x)
 
-    if site.kind != "resid_mid":
+    if site.kind != "resid_mid" or not backend.mid_on_branch(site.layer):
         return [backend.add_forward_hook(site, lambda x: _per_copy(x, chunk, edit))]
     change: list[Tensor] = []  # this forward's edit at resid_mid, for its resid_post
 

@@ -108,6 +108,12 @@ class Backend(Protocol):
 
     def add_forward_hook(self, site: Site, fn: TensorFn) -> Handle: ...
 
+    def mid_on_branch(self, layer: int) -> bool:
+        """Whether ``layer``'s resid_mid hook reads the MLP branch's input only (a pre-norm
+        block's second norm or its MLP takes it, and the skip path carries the stream
+        past it): a forward edit there reaches resid_post only through the MLP."""
+        ...
+
     def add_backward_hook(self, site: Site, fn: TensorFn) -> Handle:
         """``fn`` gets the gradient of the loss with respect to the site's activation."""
         ...

@@ -89,6 +89,9 @@ class Layout:
     order: tuple[str, ...]  # block kinds in forward execution order
     linears: Mapping[str, tuple[str, ...]]  # site kind -> paths of the linear maps reading it
     out_proj: str  # the attention's output projection: its input is the heads' z
+    # resid_mid's module sits on the residual stream itself (BERT's output LayerNorm), not
+    # on the MLP branch (a pre-norm block's second norm or MLP, which the skip path passes)
+    mid_on_stream: bool = False
 
 
 _PRE_NORM_ORDER = tuple(k for k in KINDS if k != "embed")  # KINDS is in forward order
@@ -218,6 +221,7 @@ BERT = Layout(
         "mlp_in": ("intermediate.dense",),
     },
     "attention.output.dense",
+    mid_on_stream=True,
 )
 
 

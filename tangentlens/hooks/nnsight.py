@@ -116,6 +116,12 @@ class NNsightBackend:
         path, where = self.layout.block[site.kind]
         return submodule(self.blocks[site.layer], path), where
 
+    def mid_on_branch(self, layer: int) -> bool:
+        """resid_mid is a module's input: a pre-norm block's second norm or MLP, on the MLP
+        branch, except BERT's output LayerNorm, which is the stream (`Layout.mid_on_stream`)."""
+        self.locate(Site(layer, "resid_mid"))  # validates the site
+        return not self.layout.mid_on_stream
+
     # ------------------------------------------------------------------ hooks
     def add_forward_hook(self, site: Site, fn: TensorFn) -> ModuleHandle:
         """``fn(activation)``; a returned tensor replaces the activation."""

@@ -119,16 +119,18 @@ class TransformerLensBackend:
         # ln1 sits inside attention) resid_mid = resid_pre + attn_out, so ∂L/∂attn_out is
         # the full ∂L/∂resid_mid.
         self._grad_points = dict(self._points)
+        self._mid_on_branch: set[int] = set()
         for layer in range(self.n_layers):
             mid, attn_out = Site(layer, "resid_mid"), Site(layer, "attn_out")
             branch = [hook_dict.get(f"blocks.{layer}.{m}.hook_in") for m in ("ln2", "mlp")]
             if (
                 mid in self._points
-                and attn_out in self._points
                 and any(self._points[mid] is b for b in branch if b is not None)
                 and not _ln1_inside_attention(model, layer)
             ):
-                self._grad_points[mid] = self._points[attn_out]
+                self._mid_on_branch.add(layer)
+                if attn_out in self._points:
+                    self._grad_points[mid] = self._points[attn_out]
 
     def _usable(self, kind: str, layer: int, name: str) -> bool:
         if not name.endswith("hook_normalized"):
@@ -158,6 +160,13 @@ class TransformerLensBackend:
         if site not in self._points:
             raise missing_site_error(site, self._points, self.n_layers)
         return self._points[site]
+
+    def mid_on_branch(self, layer: int) -> bool:
+        """True on bridges whose resid_mid is ``ln2.hook_in`` (``mlp.hook_in`` on OLMo 2);
+        False on BERT's, whose ln2 is the stream's own LayerNorm, and on TL 3.x's
+        ``hook_resid_mid``, a hook on the stream."""
+        self.hook_point(Site(layer, "resid_mid"))  # validates the site
+        return layer in self._mid_on_branch
 
     # ------------------------------------------------------------------ hooks
     def add_forward_hook(self, site: Site, fn: TensorFn) -> _TLHandle:
