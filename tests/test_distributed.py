@@ -125,6 +125,29 @@ def test_run_probe_refuses_too_few_batches(tiny_run):
         run_probe(lambda: None, [torch.zeros(1, 4, dtype=torch.long)], None, world_size=2)
 
 
+def test_text_is_read_into_one_process_passes_before_sharding(tiny_run, monkeypatch):
+    """Each rank reads text into the batches one process would run, then takes its share:
+    the global pass indices (each interval's group) are one process's, and too few
+    batches after reading are refused, however many texts there were."""
+    from tangentlens.probes import distributed
+
+    model = _nnsight_model(str(tiny_run / "step24"))
+    texts = [f"in the beginning {i} was the word and the word was {i}" for i in range(20)]
+    monkeypatch.setattr(distributed, "all_reduce_session", lambda session: session)
+    seen: dict[tuple[int, int], list[int]] = {}
+    for world in (1, 2):
+        for rank in range(world):
+            got = seen.setdefault((world, rank), [])
+            group_of = functools.partial(lambda got, i: got.append(i) or i, got)
+            options = {"group_of": group_of, "progress": False}
+            distributed._probe_worker(
+                rank, world, lambda: model, texts, None, ("activation",), options
+            )
+    assert seen[1, 0] == [0, 1, 2] == seen[2, 0] + seen[2, 1]  # 20 texts, 8 a batch
+    with pytest.raises(UsageError, match="1 batches cannot feed 2 processes"):
+        distributed._probe_worker(0, 2, lambda: model, texts[:5], None, ("activation",), {})
+
+
 def test_study_on_two_processes_equals_one(tiny_run, tmp_path):
     from tangentlens.study import Study, StudyConfig
 

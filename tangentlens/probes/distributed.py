@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from ..core.errors import CorruptFileError, UsageError
 from ..core.validation import check_int, is_int
+from ..models.batches import as_batches
 from .driver import run
 
 __all__ = [
@@ -255,8 +256,16 @@ def _probe_worker(
 ) -> Any:
     progress = bool(options.pop("progress", False)) and rank == 0
     model = model_factory()
-    mine = shard(batches, rank, world_size)
-    first = sum(len(shard(batches, r, world_size)) for r in range(rank))
+    # the passes one process would run (text read into batches, a tensor one batch), so
+    # the global pass index, and with it each interval's group, is that process's
+    passes = as_batches(model, batches)
+    if len(passes) < world_size:
+        raise UsageError(
+            f"{len(passes)} batches cannot feed {world_size} processes; pass at least "
+            "world_size batches or lower --world-size."
+        )
+    mine = shard(passes, rank, world_size)
+    first = sum(len(shard(passes, r, world_size)) for r in range(rank))
     given = options.pop("group_of", None)  # of the global pass index, as in one process
     group_of = (lambda i: first + i) if given is None else (lambda i: given(first + i))
     session = run(model, mine, bases, probes, progress=progress, group_of=group_of, **options)
@@ -280,12 +289,13 @@ def run_probe(
     ``functools.partial``); ``options`` go to `run` (``layers``, ``n_controls``, ``seed``,
     ``progress``, ...). ``world_size=1`` runs in this process.
     """
-    batches = list(batches)
+    if not isinstance(batches, torch.Tensor | Mapping | str):
+        batches = list(batches)  # a generator cannot travel to the ranks
+        if world_size > 1 and len(batches) < world_size:  # fewer items: fewer batches
+            raise UsageError(
+                f"{len(batches)} batches cannot feed {world_size} processes; pass at least "
+                "world_size batches or lower --world-size."
+            )
     if world_size == 1:
         return _probe_worker(0, 1, model_factory, batches, bases, probes, dict(options))
-    if len(batches) < world_size:
-        raise UsageError(
-            f"{len(batches)} batches cannot feed {world_size} processes; pass at least "
-            "world_size batches or lower --world-size."
-        )
     return launch(_probe_worker, world_size, model_factory, batches, bases, probes, dict(options))
