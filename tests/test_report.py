@@ -4,6 +4,7 @@ and its rendering in headless Chromium."""
 from __future__ import annotations
 
 import html
+import math
 import re
 import shutil
 import subprocess
@@ -392,6 +393,10 @@ def test_paper_claims_are_typed_and_round_trip_through_json() -> None:
     assert record["difference"] == {"value": -1.0, "ci": [-1.5, -0.5]}
     for claim in found:
         assert report.Claim.from_dict(claim.to_dict()) == claim
+    # a one-seed comparison recorded without its difference reads back with it
+    bare = report.Claim.from_dict({k: v for k, v in pair.to_dict().items() if k != "difference"})
+    assert bare.estimate.value == pytest.approx(1.8) and math.isnan(bare.estimate.low)
+    assert bare.context == pair.context
     with pytest.raises(CorruptFileError):
         report.Claim.from_dict({"claim": "energy_early", "model": "decoder"})
     rows = report.summary(decoder)  # a lone study: its claims as the summary's rows

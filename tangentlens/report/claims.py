@@ -49,6 +49,8 @@ _TESTED = {
 # frequency claim's other embedding centres after the weighted one, "last")
 _NUMBER_KEYS = ("early", "late", "difference", "decoder", "encoder", "last", "mean_all",
                 "mean_seen", "norm")  # fmt: skip
+
+
 VERDICTS = (
     "agrees",
     "disagrees",
@@ -66,6 +68,14 @@ _OBJECT_NAMES = {
 _KNOWN = {"claim", "paper", "statistic", "model", "gradient_object", "rank", "verdict",
           "interval_covers", "seeds", "per_seed", "between", "panel", "threshold", "strength",
           "p_value", "p_holm", "scope"}  # fmt: skip
+
+
+def _older_comparison(numbers: Mapping[str, Any]) -> dict[str, Any]:
+    """A one-seed decoder-vs-encoder record that holds the two models' numbers only (the
+    form without ``difference``): their difference, which has no interval with one seed
+    each (the verdict compares the two token intervals)."""
+    dec, enc = (Estimate.from_dict(numbers[k]) for k in ("decoder", "encoder"))
+    return {**numbers, "difference": {"value": dec.value - enc.value, "ci": [math.nan] * 2}}
 
 
 def _opt_float(x: Any) -> float | None:
@@ -333,6 +343,8 @@ class Claim:
             numbers = {k: v for k, v in record.items() if k not in _KNOWN}
             if set(numbers) - set(_NUMBER_KEYS):
                 raise KeyError(sorted(set(numbers) - set(_NUMBER_KEYS)))
+            if tested not in numbers and name == "encoders_weaker":
+                numbers = _older_comparison(numbers)
             context = tuple(
                 (k, None if numbers[k] is None else Estimate.from_dict(numbers[k]))
                 for k in _NUMBER_KEYS
