@@ -404,6 +404,30 @@ def test_paper_claims_are_typed_and_round_trip_through_json() -> None:
     assert [r.agrees for r in rows if r.paper == late_paper] == ["suggests agrees"] * 2
 
 
+def test_a_study_page_reads_its_claims_with_the_study_window_fraction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page's summary builds its window panel with the fraction in the study's config,
+    as the study's summary and overview do; without one, `paper_claims`' default."""
+    import importlib
+
+    summary_module = importlib.import_module("tangentlens.report.summary")  # not the function
+    seen: list[object] = []
+    real = summary_module.paper_claims
+
+    def spy(tables, **options):
+        seen.append(options.get("window_fraction"))
+        return real(tables, **options)
+
+    monkeypatch.setattr(summary_module, "paper_claims", spy)
+    page_module = importlib.import_module("tangentlens.report.page")
+    monkeypatch.setattr(page_module, "_write_figures", lambda table, folder: [])
+    table = _windows(early=(3.0, 2.0, 4.0), diff=(-1.0, -1.5, -0.5))
+    report.write_report(table, tmp_path / "a.html", config={"window_fraction": 0.3})
+    report.write_report(table, tmp_path / "b.html")
+    assert seen == [0.3, None]
+
+
 def test_overview_shows_each_claim(tmp_path: Path) -> None:
     decoder = _windows(early=(3.0, 2.0, 4.0), diff=(-1.0, -1.5, -0.5))
     found = report.paper_claims({"decoder": decoder})

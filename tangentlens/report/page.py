@@ -326,7 +326,9 @@ def write_report(
     out = _target(out_path)
     figures_dir = out.parent / "figures" if figures_dir is None else Path(figures_dir)
     rendered = _write_figures(table, figures_dir)
-    page = _html(table, description, summary(table), rendered, config, manifest, title)
+    fraction = (config or {}).get("window_fraction")
+    rows = summary(table, window_fraction=None if fraction is None else float(fraction))
+    page = _html(table, description, rows, rendered, config, manifest, title)
     return write_text(out, page)
 
 

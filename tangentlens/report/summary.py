@@ -145,10 +145,13 @@ def _frequency(at: pd.DataFrame, where: str) -> list[SummaryRow]:
     )]  # fmt: skip
 
 
-def summary(results: Any) -> list[SummaryRow]:
-    """Headline numbers next to the paper's claims (rows only where data exists)."""
+def summary(results: Any, *, window_fraction: float | None = None) -> list[SummaryRow]:
+    """Headline numbers next to the paper's claims (rows only where data exists);
+    ``window_fraction``: the study's own (its config's), so the page's window panel is the
+    one its summary and overview use (default: `paper_claims`')."""
     t = prepare(results)
-    found = paper_claims({"decoder": t})
+    options = {} if window_fraction is None else {"window_fraction": window_fraction}
+    found = paper_claims({"decoder": t}, **options)
     rows = [SummaryRow.of(c) for c in found] if found else _checkpoint_rows(t)
 
     loss = pick(t, "probe_loss").groupby("step")["value"].mean()
