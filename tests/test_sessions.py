@@ -8,6 +8,7 @@ from models import tl_bridge, tokens
 
 from tangentlens.core.errors import UsageError
 from tangentlens.probes import base, fit_bases, probe, run
+from tangentlens.probes.base import BASES_KEY
 
 OPTS = {"n_controls": 20}
 
@@ -133,6 +134,9 @@ def test_a_saved_state_loads_only_where_it_was_measured(setup, one_thread) -> No
         state = p.state_dict()
         with pytest.raises(UsageError, match="other bases"):  # not silently relabelled
             probe(model, other, names, **opts).probes[name].load_state_dict(state)
+        unmarked = {k: t for k, t in state.items() if k != BASES_KEY}
+        with pytest.raises(UsageError, match=BASES_KEY):  # bases unknown: not assumed
+            probe(model, bases, names, **opts).probes[name].load_state_dict(unmarked)
         fresh.probes[name].load_state_dict(state)
     # a session given its state, with no pass of its own, reads it back as it was
     key = ["probe", "site", "layer", "head", "statistic"]

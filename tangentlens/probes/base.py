@@ -337,6 +337,12 @@ class Probe:
                 "hold: load a state saved by a probe built the same way (sites, n_groups)."
             )
         saved, mine = state.get(BASES_KEY), self.bases_digest()
+        if saved is None and mine is not None:
+            raise UsageError(
+                f"the saved {name} state does not say which bases it was measured against "
+                f"(no {BASES_KEY}), and this probe reads bases: load a state saved by "
+                "`state_dict` of a probe on these bases."
+            )
         if saved is not None and (mine is None or not torch.equal(torch.as_tensor(saved), mine)):
             raise UsageError(
                 f"the saved {name} state was measured against other bases than this probe's "
