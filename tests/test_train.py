@@ -178,6 +178,12 @@ def test_a_deleted_checkpoint_is_rebuilt_and_the_study_names_it_first(tiny_run, 
     shutil.rmtree(out / f"step{last}")  # the last one too: the state says it was written
     with pytest.raises(UsageError, match=rf"steps \[{last}\]"):
         open_series(str(out))
+    # a damaged training state says nothing of the checkpoints: a study reads the folders
+    # it finds, and only a resume, which needs the state, names the file
+    shutil.copytree(tiny_run / f"step{last}", out / f"step{last}")
+    state = out / "train_state.safetensors"
+    state.write_bytes(state.read_bytes()[:100])
+    assert open_series(str(out)).steps == open_series(str(tiny_run)).steps
 
 
 @pytest.mark.parametrize("kill_after", ["step8", "step40"])

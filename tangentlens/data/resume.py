@@ -25,7 +25,6 @@ from ..core.errors import CorruptFileError, UsageError
 from ..core.files import (
     RECORD_FILE,
     check_safetensors,
-    load_tensors,
     lock_folder,
     read_checked_json,
     read_json,
@@ -90,12 +89,14 @@ def missing_steps(out: Path, steps: list[int], upto: int | None = None) -> list[
 
 def trained_to(out: Path) -> int | None:
     """The step a run's training state resumes from (the last checkpoint it wrote), or
-    None without a readable one."""
+    None without a readable one. Read from the file's header alone: a study asks this of
+    every series it opens and needs none of the optimizer's tensors; a damaged state is
+    the resume's to name (it loads and checks the whole file)."""
     if not (out / STATE_FILE).is_file():
         return None
     try:
-        return int(load_tensors(out / STATE_FILE)[1]["step"])
-    except (KeyError, ValueError):
+        return int(check_safetensors(out / STATE_FILE)["__metadata__"]["step"])
+    except (CorruptFileError, KeyError, TypeError, ValueError):
         return None
 
 
