@@ -251,6 +251,12 @@ def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixt
     (swapped / "spare").rename(seed1)
     assert main(["report", str(swapped), "-q"]) == 2
     assert str(seed0) in capsys.readouterr().err
+    seed0.rename(swapped / "spare")  # the runs as they were, and one more beside them
+    seed1.rename(seed0)
+    (swapped / "spare").rename(seed1)
+    shutil.copytree(seed1, swapped / "decoder" / "seed7")
+    assert main(["report", str(swapped), "-q"]) == 2
+    assert "seed7 is a run summary.json does not record" in capsys.readouterr().err
 
     decoder = out / "decoder" / "seed0"
     ckpt = str(decoder / "checkpoints")

@@ -74,11 +74,14 @@ def _check_runs(folder: Path, recorded: object) -> None:
         raise UsageError(f"{folder / SUMMARY_FILE} has a damaged runs record; rerun its command")
     for name in sorted(set(found) | set(recorded)):
         if found.get(name) != recorded.get(name):
-            what = "is missing" if name not in found else "is not the run its claims came from"
-            raise UsageError(
-                f"{folder / name} {what} ({SUMMARY_FILE} records its results.csv): restore "
-                "the folder as the command left it, or rerun that command"
-            )
+            if name not in recorded:
+                what = f"is a run {SUMMARY_FILE} does not record: move it out of {folder}"
+            else:
+                what = "is missing" if name not in found else "is not the run its claims came from"
+                what += (
+                    f" ({SUMMARY_FILE} records its results.csv): restore it as the command left it"
+                )
+            raise UsageError(f"{folder / name} {what}, or rerun that command")
 
 
 def _writer(folder: Path) -> str | None:
