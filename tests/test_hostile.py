@@ -224,6 +224,28 @@ class _Ckpt:
         self.step, self.metadata, self.source = step, {"weights_hash": weights}, f"step{step}"
 
 
+def test_a_corpus_edited_in_place_makes_another_probe_set(world: Path, tmp_path: Path) -> None:
+    """A probe set records the text it was cut from, not only the corpus's path: the same
+    file edited in place is cut again (and every part, keyed by the probe tokens, with it)."""
+    from dataclasses import replace
+
+    from tangentlens.data import corpus
+    from tangentlens.study.collect import probe_set
+    from tangentlens.study.config import open_series
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(corpus.load_lines(None, 300_000)), encoding="utf-8")
+    cfg = replace(_cfg(world), corpus=str(text))
+    series, out = open_series(cfg.checkpoints), tmp_path / "out"
+    out.mkdir()
+    before, _ = probe_set(cfg, series, out)
+    assert torch.equal(load_probe_set(out / "probe_set.safetensors", cfg)[0], before)
+    text.write_text(text.read_text(encoding="utf-8").replace("God", "Dog"), encoding="utf-8")
+    assert load_probe_set(out / "probe_set.safetensors", cfg) is None  # not this text's
+    after, _ = probe_set(cfg, series, out)
+    assert not torch.equal(before, after)
+
+
 def test_a_part_of_retrained_weights_or_without_a_hash_is_recomputed(
     world: Path, tmp_path: Path
 ) -> None:

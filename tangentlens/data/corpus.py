@@ -147,6 +147,12 @@ def encode(tokenizer: Any, lines: list[str]) -> Tensor:
     return torch.cat(chunks)
 
 
+def text_sha256(lines: list[str]) -> str:
+    """SHA-256 of a corpus's lines (`load_lines`): what a run records of its text, so a
+    file edited in place under the same path is known as another text."""
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 _ENCODED: dict[tuple[str, str], Tensor] = {}
 _ENCODED_KEEP = 2  # corpora kept: a demo's decoder and encoder tokenizers
 
@@ -165,7 +171,7 @@ def encoded(tokenizer: Any, lines: list[str]) -> Tensor:
         return encode(tokenizer, lines)
     key = (
         hashlib.sha256(raw.to_str().encode()).hexdigest(),
-        hashlib.sha256("\n".join(lines).encode()).hexdigest(),
+        text_sha256(lines),
     )
     if key not in _ENCODED:
         while len(_ENCODED) >= _ENCODED_KEEP:

@@ -30,6 +30,7 @@ from ..core.files import (
     read_json,
 )
 from .checkpoints import METADATA_FILE
+from .corpus import text_sha256
 
 __all__ = [
     "CONFIG_FILE",
@@ -66,8 +67,7 @@ def inputs_digest(lines: list[str], tokenizer_dir: Path) -> dict[str, str]:
     for path in sorted(p for p in tokenizer_dir.rglob("*") if p.is_file()):
         tokenizer.update(f"{path.relative_to(tokenizer_dir)}|{path.stat().st_size}|".encode())
         tokenizer.update(path.read_bytes())
-    corpus = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    return {"corpus_sha256": corpus, "tokenizer_sha256": tokenizer.hexdigest()}
+    return {"corpus_sha256": text_sha256(lines), "tokenizer_sha256": tokenizer.hexdigest()}
 
 
 def _steps(out: Path) -> list[Path]:

@@ -80,8 +80,13 @@ _PART_KEYS = ("backend", "sites", "writes", "n_groups", "batch_size", "reservoir
 _PART_META = {"step": int, "weights_hash": str, "n_layers": int, "d_model": int, "n_groups": int}
 
 
-def _probe_set_digest(cfg: StudyConfig) -> str:
-    return config_digest({k: getattr(cfg, k) for k in (*_PROBE_SET_KEYS, "seed", "n_sequences")})
+def _probe_set_digest(cfg: StudyConfig, lines: list[str] | None = None) -> str:
+    """The settings a probe set is cut with and the text it is cut from (``lines``, read
+    here when not given): a corpus edited in place under the same path makes another."""
+    if lines is None:
+        lines = corpus.load_lines(cfg.corpus, cfg.max_chars, cfg.encoding)
+    settings = {k: getattr(cfg, k) for k in (*_PROBE_SET_KEYS, "seed", "n_sequences")}
+    return config_digest({**settings, "text_sha256": corpus.text_sha256(lines)})
 
 
 def _part_digest(cfg: StudyConfig, tokens: Tensor) -> str:
@@ -94,13 +99,14 @@ def probe_set(cfg: StudyConfig, series: Any, out: Path) -> tuple[Tensor, Tensor]
     """Probe tokens ``(n_sequences, seq_len)`` and corpus counts ``(vocab,)``; saved once,
     reused only when it was made with these settings (else made again: never trusted)."""
     path = out / PROBE_FILE
+    lines = corpus.load_lines(cfg.corpus, cfg.max_chars, cfg.encoding)
     if path.is_file():
-        found = load_probe_set(path, cfg)
+        found = load_probe_set(path, cfg, lines)
         if found is not None:
             return found
         path.unlink()
     tokenizer = series.load_tokenizer(0)  # its weights are not needed to cut the blocks
-    ids = corpus.encoded(tokenizer, corpus.load_lines(cfg.corpus, cfg.max_chars, cfg.encoding))
+    ids = corpus.encoded(tokenizer, lines)
     data = corpus.token_batches(
         tokenizer,
         cfg.corpus,
@@ -120,17 +126,20 @@ def probe_set(cfg: StudyConfig, series: Any, out: Path) -> tuple[Tensor, Tensor]
         "seq_len": cfg.seq_len,
         "seed": cfg.seed,
         "corpus": cfg.corpus,
-        "digest": _probe_set_digest(cfg),
+        "digest": _probe_set_digest(cfg, lines),
     }
     save_tensors(path, {"tokens": tokens, "counts": counts}, {"probe_set": json.dumps(meta)})
     return tokens, counts
 
 
-def load_probe_set(path: Path, cfg: StudyConfig) -> tuple[Tensor, Tensor] | None:
+def load_probe_set(
+    path: Path, cfg: StudyConfig, lines: list[str] | None = None
+) -> tuple[Tensor, Tensor] | None:
     """A saved probe set, checked whole (int64 token blocks of the configured shape, ids
     inside the counted vocabulary, tensors matching their content hash); None when other
-    settings made it or it carries no content hash (it cannot be verified: made again).
-    Damage is a `CorruptFileError`."""
+    settings or another text made it (``lines``: the corpus, read here when not given), or
+    it carries no content hash (it cannot be verified: made again). Damage is a
+    `CorruptFileError`."""
     if CONTENT_KEY not in (check_safetensors(path).get("__metadata__") or {}):
         return None
     tensors, header = load_tensors(path, verified=True)
@@ -147,7 +156,7 @@ def load_probe_set(path: Path, cfg: StudyConfig) -> tuple[Tensor, Tensor] | None
         raise CorruptFileError(
             f"{path} is a damaged probe set ({err}); delete it and rerun the study."
         ) from err
-    if meta.get("digest") != _probe_set_digest(cfg):
+    if meta.get("digest") != _probe_set_digest(cfg, lines):
         return None
     if tuple(tokens.shape) != (cfg.n_sequences, cfg.seq_len):
         raise CorruptFileError(
