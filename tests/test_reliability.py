@@ -208,7 +208,7 @@ CLI_CASES: dict[str, Case] = {
     "probe over a probe of another rank": lambda w, t: (
         _probe(hf_folder("llama"), w / "probe", "--rank", "2"), ("differs in ['rank']",)),
     "probe over a probe of another model": lambda w, t: (
-        _probe(hf_folder("gpt2"), w / "probe"), ("differs in ['model']", "new --out")),
+        _probe(hf_folder("gpt2"), w / "probe"), ("differs in ['model', ", "new --out")),
     "study with other settings": lambda w, t: (
         _study_again(w, w / "study", "--n-controls", "30"), ("differs in ['n_controls']",)),
     "probe into a folder with results of its own": lambda w, t: (
@@ -669,6 +669,25 @@ def _holder_pid(folder: Path) -> int | None:
 
 
 @pytest.mark.slow
+def test_inputs_changed_in_place_make_another_probe(tmp_path: Path, capsys) -> None:
+    """A probe records what its model folder and its text hold, not only their paths: the
+    same paths with the text edited, or the model retrained, in place are another run,
+    refused where results are, and the unchanged inputs run again."""
+    text, model = tmp_path / "input.txt", _model_copy(tmp_path)
+    text.write_text("In the beginning God created the heaven and the earth.\n" * 60)
+    args = _probe(model, tmp_path / "out", "--text", str(text))
+    assert main(args) == 0 and main(args) == 0
+    text.write_text(text.read_text().replace("God", "Dog"))
+    assert "differs in ['text_sha256']" in _error(args, capsys)
+    text.write_text(text.read_text().replace("Dog", "God"))
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # the same bytes: the same model
+    assert main(args) == 0
+    config = model / "config.json"
+    config.write_text(config.read_text().replace("{", '{"retrained": 1, ', 1))
+    assert "differs in ['model_sha256']" in _error(args, capsys)
+
+
 def test_two_writers_one_folder(world: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Two studies with different settings into one --out, the second started while the
     first holds the folder: the second fails at once naming the first (held still by

@@ -28,6 +28,7 @@ from torch import Tensor
 from ..core import results
 from ..core.errors import MissingFileError, UsageError
 from ..core.files import (
+    content_sha256,
     lock_folder,
     read_json,
     remove_stale_temporaries,
@@ -103,6 +104,14 @@ def _local(path: str | None) -> str | None:
     if path is None or not Path(path).expanduser().exists():
         return path
     return str(Path(path).expanduser().resolve())
+
+
+def _contents(path: str | None) -> str | None:
+    """SHA-256 of a local input's files (`content_sha256`), None for a name that is not
+    a path (a bundled model, a hub id, the embedded corpus)."""
+    if path is None or not Path(path).expanduser().exists():
+        return None
+    return content_sha256(Path(path).expanduser())
 
 
 def token_blocks(
@@ -199,6 +208,9 @@ def probe_model(
         "model": _local(name),
         "backend": check_backend(backend),
         "text": _local(text),
+        # what those paths hold: a model retrained or a text edited in place is another run
+        "model_sha256": _contents(name),
+        "text_sha256": _contents(text),
         "encoding": check_encoding(encoding, "--encoding"),
         "rank": check_int(rank, "--rank", minimum=1),
         "layers": _check_layers(layers),

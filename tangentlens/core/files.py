@@ -382,6 +382,22 @@ def tensor_hash(tensors: dict[str, Tensor]) -> str:
     return h.hexdigest()
 
 
+def content_sha256(path: str | Path) -> str:
+    """SHA-256 of a file's bytes, or of a folder's files (each one's relative name, size
+    and bytes, in name order): what a run records of an input it reads by path, so one
+    edited or rewritten in place is known as another input."""
+    path = Path(path)
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        if file is not path:
+            h.update(f"{file.relative_to(path)}|{file.stat().st_size}|".encode())
+        with open(file, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 def metadata_hash(metadata: Mapping[str, str]) -> str:
     """SHA-256 of a safetensors file's metadata entries but this hash's own (the content
     hash included): the numbers a file keeps beside its tensors are checked as they are."""

@@ -14,7 +14,6 @@ nothing else, and only in a folder that no other command wrote.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import shutil
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from ..core.errors import CorruptFileError, UsageError
 from ..core.files import (
     RECORD_FILE,
     check_safetensors,
+    content_sha256,
     lock_folder,
     read_checked_json,
     read_json,
@@ -63,11 +63,7 @@ def inputs_digest(lines: list[str], tokenizer_dir: Path) -> dict[str, str]:
     """SHA-256 of the corpus text a run trains on (its lines, after ``max_chars``) and of
     the tokenizer folder's files (names and bytes: they are written once and never
     rewritten, so the digest does not move with a library's serialisation)."""
-    tokenizer = hashlib.sha256()
-    for path in sorted(p for p in tokenizer_dir.rglob("*") if p.is_file()):
-        tokenizer.update(f"{path.relative_to(tokenizer_dir)}|{path.stat().st_size}|".encode())
-        tokenizer.update(path.read_bytes())
-    return {"corpus_sha256": text_sha256(lines), "tokenizer_sha256": tokenizer.hexdigest()}
+    return {"corpus_sha256": text_sha256(lines), "tokenizer_sha256": content_sha256(tokenizer_dir)}
 
 
 def _steps(out: Path) -> list[Path]:

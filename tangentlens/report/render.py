@@ -17,13 +17,13 @@ its files that are still as it left them and refuses to write over anything else
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 
 from ..core.errors import MissingFileError, UsageError
 from ..core.files import (
     RECORD_FILE,
+    content_sha256,
     lock_folder,
     read_checked_json,
     read_json,
@@ -60,7 +60,7 @@ def run_folders(folder: Path) -> dict[str, Path]:
 def run_digests(runs: Mapping[str, Path]) -> dict[str, str]:
     """SHA-256 of each run's ``results.csv`` (``runs``: path under the folder → run): the
     summary records them, so its claims are shown only beside the runs they came from."""
-    return {name: _sha256(Path(run) / "results.csv") for name, run in sorted(runs.items())}
+    return {name: content_sha256(Path(run) / "results.csv") for name, run in sorted(runs.items())}
 
 
 def _check_runs(folder: Path, recorded: object) -> None:
@@ -125,10 +125,6 @@ def _check_target(target: str | Path, source: Path) -> Path:
     return page
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 class _FigureFolder:
     """A page's own figure folder and its record: what it wrote, so a rerun replaces only
     what is still as it left it."""
@@ -153,7 +149,9 @@ class _FigureFolder:
         """Refuse before writing anything if one of ``names`` is not ours as we left it."""
         for name in names:
             path = self.folder / name
-            if path.exists() and (name not in self.files or _sha256(path) != self.files[name]):
+            if path.exists() and (
+                name not in self.files or content_sha256(path) != self.files[name]
+            ):
                 raise UsageError(
                     f"{path} was not written by `tangentlens report` (or changed since); it "
                     "is never overwritten: move it, or pass another --out name"
@@ -164,9 +162,11 @@ class _FigureFolder:
         they are still as we left them."""
         for name, digest in self.files.items():
             path = self.folder / name
-            if name not in written and path.is_file() and _sha256(path) == digest:
+            if name not in written and path.is_file() and content_sha256(path) == digest:
                 path.unlink()
-        self.files = {n: _sha256(self.folder / n) for n in written if (self.folder / n).is_file()}
+        self.files = {
+            n: content_sha256(self.folder / n) for n in written if (self.folder / n).is_file()
+        }
         write_json(self.folder / FIGURES_RECORD, {"files": self.files})
 
 
