@@ -228,6 +228,9 @@ CLI_CASES: dict[str, Case] = {
         _study_again(w, t / "busy"), ("in use", "pid 4242")),
     "demo while the folder is in use": lambda w, t: (
         ["demo", "--quick", "--out", str(t / "busy")], ("in use", "pid 4242")),
+    "study of a series a run is writing": lambda w, t: (
+        ["study", "--checkpoints", str(_copy(w / "series", t / "busy")), "--out",
+         str(t / "out"), *STUDY], ("in use", "still writing", "pid 4242", "wait")),
     "report while its folder is in use": lambda w, t: (
         ["report", str(w / "study"), "--out", str(t / "busy" / "r.html")], ("in use",)),
     # strict readers: damage names the file and the fix

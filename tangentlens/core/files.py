@@ -46,6 +46,7 @@ __all__ = [
     "atomic_write",
     "check_safetensors",
     "config_digest",
+    "content_sha256",
     "dataclass_from_dict",
     "environment_error",
     "load_tensors",
@@ -61,6 +62,7 @@ __all__ = [
     "write_checked_json",
     "write_json",
     "write_text",
+    "writer_of",
 ]
 
 LOCK_FILE = ".tangentlens.lock"
@@ -556,6 +558,26 @@ def _say_who(folder: Path, me: Mapping[str, Any]) -> None:
             "touched); delete it and rerun, or choose another --out."
         )
     write_json(path, me)
+
+
+def writer_of(folder: str | Path) -> str | None:
+    """Who holds ``folder`` as its writer now (the holder's record), or None when no run
+    of another process does: a reader of a run's output (a study of a series still
+    training) refuses it rather than read half of it. The check takes the lock for an
+    instant and drops it with the descriptor."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir() or os.path.realpath(folder) in _HELD:  # this process's own
+        return None
+    try:
+        fd = _open_folder(folder)
+    except OSError:
+        return None
+    try:
+        return None if lock_descriptor(fd, blocking=False) else _holder(folder)
+    except OSError:  # a file system without locks: no writer can hold it either
+        return None
+    finally:
+        os.close(fd)
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..core.compute import threads
 from ..core.errors import UsageError
-from ..core.files import dataclass_from_dict, read_json
+from ..core.files import dataclass_from_dict, read_json, writer_of
 from ..core.settings import HEAD_NULL, STUDY, ZETA
 from ..core.validation import (
     BACKENDS,
@@ -230,6 +230,12 @@ def open_series(source: str) -> Any:
     path = Path(source).expanduser()
     if not path.exists() and is_hub_id(source):
         return CheckpointSeries.from_hub(source)
+    holder = writer_of(path)
+    if holder is not None:
+        raise UsageError(
+            f"{path} is in use by another tangentlens run ({holder}), which is still writing "
+            "it; wait for it to finish, then run the study"
+        )
     series = CheckpointSeries.from_folder(path)
     if (path / CONFIG_FILE).is_file():  # a `tangentlens train` folder: its schedule is known
         config = TrainConfig.from_dict(read_json(path / CONFIG_FILE))
