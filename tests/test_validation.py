@@ -62,3 +62,25 @@ def test_every_entry_point_states_the_same_window_fraction_rule() -> None:
     with pytest.raises(UsageError, match=rule):
         StudyConfig(checkpoints="unused", window_fraction=0.9)
     assert cli._fraction("0.5") == 0.5
+
+
+def test_every_entry_point_takes_seeds_up_to_the_largest_every_generator_takes() -> None:
+    """Seeds beyond `MAX_SEED` overflow a generator (after the offsets a run adds), so every
+    entry point refuses them with the rule, and a long --seeds list is checked in one pass."""
+    from tangentlens.core.validation import MAX_SEED, check_seed, check_seeds
+
+    assert check_seed(MAX_SEED) == MAX_SEED and check_seeds(f"0,{MAX_SEED}") == (0, MAX_SEED)
+    for bad in (MAX_SEED + 1, 2**63, -1, 1.5, "3"):
+        with pytest.raises(UsageError, match=str(MAX_SEED)):
+            check_seed(bad)
+    with pytest.raises(UsageError, match=str(MAX_SEED)):
+        check_seeds(f"0,{2**63}")
+    with pytest.raises(UsageError, match=r"TrainConfig\.seed"):
+        TrainConfig(seed=MAX_SEED + 1)
+    with pytest.raises(UsageError, match=r"StudyConfig\.seed"):
+        StudyConfig(checkpoints="x", seed=MAX_SEED + 1)
+    with pytest.raises(argparse.ArgumentTypeError, match=str(MAX_SEED)):
+        cli._seed(str(2**63))
+    assert len(check_seeds(",".join(map(str, range(20_000))))) == 20_000
+    with pytest.raises(UsageError, match="repeats seed 7"):
+        check_seeds("1,7,3,7")

@@ -40,7 +40,9 @@ from ..core.settings import (
 from ..core.validation import (
     BACKENDS,
     CONTROLS,
+    MAX_SEED,
     OBJECTIVES,
+    check_int,
     check_seeds,
     check_seq_len,
     check_window_fraction,
@@ -87,8 +89,8 @@ def _seed(text: str) -> int:
         value = int(text)
     except ValueError:
         value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a seed is an integer >= 0, got {text!r}")
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"a seed is an integer in [0, {MAX_SEED}], got {text!r}")
     return value
 
 
@@ -102,7 +104,7 @@ def _seeds(text: str) -> tuple[int, ...]:
 def _chosen_seeds(args: argparse.Namespace) -> tuple[int, ...] | None:
     """``--seeds``, or ``--n-seeds N`` as seeds 0..N-1, or None (neither given)."""
     if args.n_seeds is not None:
-        return tuple(range(args.n_seeds))
+        return tuple(range(check_int(args.n_seeds, "--n-seeds", minimum=1)))
     return args.seeds
 
 

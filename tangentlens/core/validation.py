@@ -17,6 +17,7 @@ __all__ = [
     "BACKENDS",
     "CONTROLS",
     "MAXIMA",
+    "MAX_SEED",
     "OBJECTIVES",
     "check_backend",
     "check_controls",
@@ -25,6 +26,7 @@ __all__ = [
     "check_layers",
     "check_limits",
     "check_rank",
+    "check_seed",
     "check_seeds",
     "check_seq_len",
     "check_window_fraction",
@@ -60,7 +62,20 @@ MAXIMA = {
     "n_permutations": 1_000_000,
     "n_sequences": 10_000_000,
     "max_steps": 100_000_000,
+    "n_seeds": 1_000,  # runs trained one after another
 }
+
+
+# the largest seed: every generator takes it (numpy's legacy ones stop at 2**32 − 1), with
+# room for the offsets a run adds to it (a layer, a rank, a checkpoint)
+MAX_SEED = 2**31 - 1
+
+
+def check_seed(value: Any, name: str = "seed") -> int:
+    """A seed: an int in [0, `MAX_SEED`]."""
+    if not is_int(value) or not 0 <= value <= MAX_SEED:
+        raise UsageError(f"{name} must be an int in [0, {MAX_SEED}]; got {value!r}.")
+    return int(value)
 
 
 def check_int(
@@ -116,16 +131,16 @@ def check_seeds(seeds: Any, name: str = "seeds") -> tuple[int, ...]:
     items = seeds.split(",") if isinstance(seeds, str) else seeds
     if isinstance(items, bytes) or not hasattr(items, "__iter__"):
         raise UsageError(f"{name} takes a list of seeds; got {seeds!r}: {fix}.")
-    out: list[int] = []
+    out: dict[int, None] = {}  # ordered, and a repeat found at once
     for item in items:
         text = item.strip() if isinstance(item, str) else item
         if isinstance(text, str) and text.lstrip("+").isdigit():
             text = int(text)
-        if not is_int(text) or text < 0:
-            raise UsageError(f"{name} {seeds!r}: {item!r} is no seed; {fix}.")
+        if not is_int(text) or not 0 <= text <= MAX_SEED:
+            raise UsageError(f"{name} {seeds!r}: {item!r} is no seed in [0, {MAX_SEED}]; {fix}.")
         if int(text) in out:
             raise UsageError(f"{name} {seeds!r} repeats seed {int(text)}; {fix}.")
-        out.append(int(text))
+        out[int(text)] = None
     if not out:
         raise UsageError(f"{name} is empty; {fix}.")
     return tuple(out)

@@ -56,6 +56,7 @@ from ..core.validation import (
     OBJECTIVES,
     check_encoding,
     check_limits,
+    check_seed,
     check_seq_len,
     is_int,
 )
@@ -158,16 +159,14 @@ class TrainConfig:
             setattr(self, name, int(value))  # numpy ints too, as plain ints for JSON
         check_limits(self, "TrainConfig")
         self.seq_len = check_seq_len(self.seq_len, "TrainConfig.seq_len")
-        for name in ("seed", "warmup_steps"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 0:
-                raise UsageError(f"TrainConfig.{name} must be an int >= 0; got {value!r}.")
-            setattr(self, name, int(value))
+        self.seed = check_seed(self.seed, "TrainConfig.seed")
+        if not is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise UsageError(
+                f"TrainConfig.warmup_steps must be an int >= 0; got {self.warmup_steps!r}."
+            )
+        self.warmup_steps = int(self.warmup_steps)
         if self.split_seed is not None:
-            if not is_int(self.split_seed) or self.split_seed < 0:
-                raise UsageError(
-                    f"TrainConfig.split_seed must be None or an int >= 0; got {self.split_seed!r}."
-                )
+            check_seed(self.split_seed, "TrainConfig.split_seed")
             # one form per run: a split seed equal to the seed is the default split, so a
             # seed of a multi-seed run and the same seed trained alone are one config
             self.split_seed = None if self.split_seed == self.seed else int(self.split_seed)

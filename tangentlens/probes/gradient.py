@@ -55,7 +55,7 @@ from ..core.significance import energy_ratio, pooled_shape, reference_at, tangen
 from ..core.stats import Moments, state_dtype
 from ..core.subspace import TangentBasis
 from ..core.uncertainty import share_intervals, tangent_intervals
-from ..core.validation import check_int
+from ..core.validation import check_int, check_seed
 from ..hooks.sites import RESIDUAL_KINDS, Site
 from .base import MomentProbe, Observation, Sum, ci_columns, first_equal, row, sites_bar
 from .registry import Plan, ProbeSpec, register
@@ -98,7 +98,7 @@ class GradientProbe(MomentProbe):
                 f"zeta (IsoScore* shrinkage) must be a number in [0, 1]; got {zeta!r}."
             )
         self.zeta = float(zeta)
-        self.seed = check_int(seed, "seed", minimum=0)
+        self.seed = check_seed(seed)
         self.n_groups = check_int(n_groups, "n_groups", minimum=2)
         self.memory = memory
         for site in self.sites:

@@ -32,7 +32,7 @@ from ..core.errors import UsageError
 from ..core.results import frame
 from ..core.stats import Moments, SharedBatch, state_dtype
 from ..core.subspace import TangentBasis
-from ..core.validation import check_int, check_layers
+from ..core.validation import check_int, check_layers, check_seed
 from ..hooks.base import Backend, Handle, get_backend
 from ..hooks.families import unwrap
 from ..hooks.sites import NamesFilter, Site, missing_site_error, select_sites
@@ -128,7 +128,7 @@ class ProbeSession:
             )
         self.names = names
         self.layers = _as_layers(layers, self.backend.n_layers)
-        check_int(seed, "seed", minimum=0)
+        check_seed(seed)
         self.n_groups = check_int(n_groups, "n_groups", minimum=2)
         self.group_of = group_of
         self.options = {**known, **options}

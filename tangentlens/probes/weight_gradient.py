@@ -72,7 +72,7 @@ from ..core.significance import energy_ratio, matrix_tests
 from ..core.stats import Moments, gram_dtype, state_dtype
 from ..core.subspace import TangentBasis, tangent_share
 from ..core.uncertainty import jackknife_interval
-from ..core.validation import check_int
+from ..core.validation import check_int, check_seed
 from ..core.weight_grams import (
     fold_flops,
     fold_form,
@@ -167,7 +167,7 @@ class WeightGradientProbe(MomentProbe):
         self._set_sites(bases)
         width = backend.d_model if backend is not None else check_int(d_model, "d_model", minimum=2)
         self.n_controls = check_int(n_controls, "n_controls", minimum=1)
-        self.seed = check_int(seed, "seed", minimum=0)
+        self.seed = check_seed(seed)
         self.n_groups = check_int(n_groups, "n_groups", minimum=1)
         self._masks: dict[Site, tuple[Tensor | None, int]] = {}
         self._open: dict[Site, weakref.ref[_Pass]] = {}
