@@ -277,6 +277,15 @@ CLI_CASES: dict[str, Case] = {
         _probe(_no_tokenizer(t), t / "out"), ("no tokenizer files", "save_pretrained")),
     "config.json that is not JSON": lambda w, t: (
         _probe(_bad_config(t), t / "out"), ("config.json", "not valid JSON")),
+    "tokenizer_config.json that is not JSON": lambda w, t: (
+        _probe(_edited(t, "tokenizer_config.json", "{bad"), t / "out"),
+        ("tokenizer_config.json", "not valid JSON", "restore")),
+    "tokenizer_config.json that is a list": lambda w, t: (
+        _probe(_edited(t, "tokenizer_config.json", "[]"), t / "out"),
+        ("tokenizer_config.json", "JSON array", "restore")),
+    "config.json whose settings are not a model's": lambda w, t: (
+        _probe(_edited(t, "config.json", '{"model_type": "llama", "hidden_size": "x"}'),
+               t / "out"), ("model", "does not load as a model", "config.json")),
     "sharded weights with a missing shard": lambda w, t: (
         _probe(_missing_shard(t), t / "out"), ("model-00002", "missing")),
     "checkpoint whose tokenizer does not fit the model": lambda w, t: (
@@ -400,6 +409,12 @@ def _no_tokenizer(tmp: Path) -> Path:
 def _bad_config(tmp: Path) -> Path:
     folder = _model_copy(tmp)
     (folder / "config.json").write_text('{"model_type": "llama",')
+    return folder
+
+
+def _edited(tmp: Path, name: str, text: str) -> Path:
+    folder = _model_copy(tmp)
+    (folder / name).write_text(text)
     return folder
 
 

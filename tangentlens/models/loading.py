@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
+import huggingface_hub.errors
 import nnsight
 import torch
 import transformers
@@ -52,7 +53,13 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from ..core.errors import CorruptFileError, HubUnavailableError, MissingFileError, UsageError
+from ..core.errors import (
+    CorruptFileError,
+    HubUnavailableError,
+    MissingFileError,
+    TangentlensError,
+    UsageError,
+)
 from ..core.files import atomic_folder, check_safetensors, read_json
 from ..core.validation import check_backend
 from ..hooks.families import is_causal
@@ -549,13 +556,45 @@ def load(
         source = model_folder(name)
         if isinstance(source, str):
             _check_hub(source)
+        if isinstance(source, Path):
+            _check_settings(source)
         try:
             model, tokenizer, causal = _load_source(str(source), backend, torch_dtype, device)
         except SafetensorError as err:
             raise CorruptFileError(
                 f"the weights of {source} are damaged ({err}); restore the model folder."
             ) from err
+        except TangentlensError:
+            raise
+        except _LOAD_ERRORS as err:
+            if not isinstance(source, Path):
+                raise
+            # a local folder's settings that parse but do not describe a model
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise CorruptFileError(
+                f"{source} does not load as a model ({type(err).__name__}: {first[:200]}); "
+                "check its config.json, or restore the model folder."
+            ) from err
     return LoadedModel(model, tokenizer, name, backend, str(source), causal)
+
+
+# what a loader raises on settings that parse but describe no model (huggingface-hub's
+# strict config fields raise their own kind)
+_LOAD_ERRORS = (
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    RuntimeError,
+    getattr(huggingface_hub.errors, "StrictDataclassError", ValueError),
+)
+
+
+def _check_settings(folder: Path) -> None:
+    """Each JSON file of a model folder (its config, tokenizer and generation settings)
+    is one JSON object: a damaged one is named here, not deep inside a loader."""
+    for path in sorted(folder.glob("*.json")):
+        read_json(path, dict, fix="restore the model folder")
 
 
 @contextmanager
