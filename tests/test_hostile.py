@@ -315,6 +315,15 @@ def test_utf16_text_is_named_with_its_encoding(codec: str, tmp_path: Path) -> No
     assert read_text_file(path, "utf-16" if codec == "utf-16" else codec).startswith("In")
 
 
+def test_text_a_codec_cannot_decode_names_the_file_and_the_option(tmp_path: Path) -> None:
+    """punycode fails with a UnicodeError that has no byte offset: still the file and the fix."""
+    path = tmp_path / "input.txt"
+    path.write_text("In the beginning was the Word — ünïcödé.\n", encoding="utf-8")
+    with pytest.raises(UsageError) as err:
+        read_text_file(path, "punycode")
+    assert "input.txt" in str(err.value) and "--encoding" in str(err.value)
+
+
 def test_cli_probe_of_utf16_text_names_the_option(tmp_path: Path, capsys: Any) -> None:
     path = tmp_path / "input.txt"
     path.write_bytes("In the beginning was the Word.\n".encode("utf-16") * 50)

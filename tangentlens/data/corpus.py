@@ -300,6 +300,11 @@ def read_text_file(path: str | Path, encoding: str = "utf-8") -> str:
             f"{path} is not {encoding} text (byte {data[err.start]:#04x} at offset {err.start}); "
             "convert it to UTF-8, or pass its encoding with --encoding (e.g. latin-1)."
         ) from None
+    except UnicodeError as err:  # a codec that fails without a byte offset (punycode)
+        raise UsageError(
+            f"{path} is not {encoding} text ({err}); convert it to UTF-8, or pass its "
+            "encoding with --encoding (e.g. latin-1)."
+        ) from None
     nul = text.find("\x00")
     if nul >= 0:
         _refuse_utf16(path, data, encoding)
