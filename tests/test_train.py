@@ -72,7 +72,7 @@ def test_config_round_trip_and_validation():
         ({"objective": "mlm"}, "objective must be one of"),
         ({"objective": "masked", "vocab_size": 257}, "at least 258"),
         ({"d_model": 30, "n_heads": 2, "n_kv_heads": 1}, "even for rotary"),
-        ({"split_seed": -1}, "split_seed must be None"),
+        ({"split_seed": -1}, "split_seed must be an int in"),
     ]
     for kwargs, message in bad:
         with pytest.raises(ValueError, match=message):

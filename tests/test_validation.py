@@ -84,3 +84,9 @@ def test_every_entry_point_takes_seeds_up_to_the_largest_every_generator_takes()
     assert len(check_seeds(",".join(map(str, range(20_000))))) == 20_000
     with pytest.raises(UsageError, match="repeats seed 7"):
         check_seeds("1,7,3,7")
+
+
+def test_a_run_shorter_than_its_warmup_names_max_steps() -> None:
+    with pytest.raises(UsageError, match="--max-steps"):
+        TrainConfig(max_steps=31, warmup_steps=32)
+    assert TrainConfig(max_steps=32, warmup_steps=32).max_steps == 32

@@ -204,9 +204,14 @@ class TrainConfig:
             )
         if self.objective == "causal" and (self.d_model // self.n_heads) % 2:
             raise UsageError("the head dimension d_model/n_heads must be even for rotary.")
+        if self.warmup_steps > self.max_steps:  # the schedule would never leave warmup
+            raise UsageError(
+                f"max_steps={self.max_steps} is shorter than the learning-rate warmup "
+                f"({self.warmup_steps} steps): train at least {self.warmup_steps} steps "
+                "(--max-steps)."
+            )
         checks = {
             "lr": self.lr > 0,
-            "warmup_steps": 0 <= self.warmup_steps <= self.max_steps,
             "min_lr_ratio": 0.0 <= self.min_lr_ratio <= 1.0,
             "weight_decay": self.weight_decay >= 0,
             "betas": all(0.0 <= b < 1.0 for b in self.betas),
