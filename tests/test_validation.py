@@ -90,3 +90,10 @@ def test_a_run_shorter_than_its_warmup_names_max_steps() -> None:
     with pytest.raises(UsageError, match="--max-steps"):
         TrainConfig(max_steps=31, warmup_steps=32)
     assert TrainConfig(max_steps=32, warmup_steps=32).max_steps == 32
+
+
+def test_a_study_too_small_for_the_twonn_dimension_is_refused_before_any_work() -> None:
+    with pytest.raises(UsageError, match="--sequences 3"):
+        StudyConfig(checkpoints="x", n_sequences=2)
+    assert StudyConfig(checkpoints="x", n_sequences=2, reservoir=0).n_sequences == 2
+    assert StudyConfig(checkpoints="x", n_sequences=3).n_sequences == 3

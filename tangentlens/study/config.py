@@ -133,6 +133,12 @@ class StudyConfig:
                 raise UsageError(f"StudyConfig.{name} must be a positive int; got {value!r}.")
             setattr(self, name, int(value))
         check_limits(self, "StudyConfig")
+        if self.reservoir and self.n_sequences < 3:  # known now, not after every checkpoint
+            raise UsageError(
+                f"StudyConfig.n_sequences={self.n_sequences}: the TwoNN dimension compares "
+                "neighbours from different sequences, so it needs at least 3 probe sequences "
+                "(--sequences 3), or reservoir=0 to skip it."
+            )
         self.encoding = check_encoding(self.encoding, "StudyConfig.encoding")
         self.seq_len = check_seq_len(self.seq_len, "StudyConfig.seq_len")
         self.window_fraction = check_window_fraction(
