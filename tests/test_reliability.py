@@ -262,6 +262,14 @@ CLI_CASES: dict[str, Case] = {
         ["report", str(_csv(t, b"\x00\xff\xfe"))], ("not UTF-8", "re-create")),
     "manifest.json that is not JSON": lambda w, t: (
         ["report", str(_bad_manifest(w, t))], ("manifest.json", "corrupt")),
+    "manifest.json whose config is a number": lambda w, t: (
+        ["report", str(_bad_manifest(w, t, '{"config": 5}'))], ("manifest.json", "'config'")),
+    "study manifest.json whose steps are a number": lambda w, t: (
+        ["report", str(_bad_manifest(w, t, '{"steps": 5}', "study"))],
+        ("manifest.json", "'steps'")),
+    "manifest.json with a window fraction that is no number": lambda w, t: (
+        ["report", str(_bad_manifest(w, t, '{"config": {"window_fraction": "x"}}', "study"))],
+        ("manifest.json", "window_fraction")),
     # model folders
     "truncated model weights": lambda w, t: (
         _probe(_truncated_model(t), t / "out"), ("model.safetensors", "truncated", "restore")),
@@ -375,9 +383,9 @@ def _csv(tmp: Path, data: str | bytes) -> Path:
     return tmp
 
 
-def _bad_manifest(w: Path, tmp: Path) -> Path:
-    out = _copy(w / "probe", tmp / "probe")
-    (out / "manifest.json").write_text("{")
+def _bad_manifest(w: Path, tmp: Path, text: str = "{", run: str = "probe") -> Path:
+    out = _copy(w / run, tmp / run)
+    (out / "manifest.json").write_text(text)
     return out
 
 

@@ -24,8 +24,10 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from ..core import results
+from ..core.errors import CorruptFileError, UsageError
 from ..core.files import read_json, write_bytes, write_text
 from ..core.results import frame
+from ..core.validation import check_window_fraction
 from .claims import Claim
 from .figures import FIGURES, Rendered, render_figures
 from .summary import SummaryRow, summary
@@ -246,7 +248,28 @@ def is_report(path: str | Path) -> bool:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    return read_json(path, dict, fix="re-create it or delete it") if path.is_file() else None
+    """A run's manifest, None without one; its fields the page reads are of the kinds a
+    run writes (`_MANIFEST_FIELDS`), else a `CorruptFileError` naming the file."""
+    if not path.is_file():
+        return None
+    fix = "re-create it or delete it"
+    manifest = read_json(path, dict, fix=fix)
+    for key, kind in _MANIFEST_FIELDS.items():
+        if manifest.get(key) is not None and not isinstance(manifest[key], kind):
+            raise CorruptFileError(f"{path} is corrupt (its {key!r} is no {kind.__name__}); {fix}.")
+    fraction = (manifest.get("config") or {}).get("window_fraction")
+    if fraction is not None:
+        try:
+            check_window_fraction(fraction, "window_fraction")
+        except UsageError:
+            raise CorruptFileError(
+                f"{path} is corrupt (its config's window_fraction {fraction!r}); {fix}."
+            ) from None
+    return manifest
+
+
+# the manifest fields a page reads, by the kind a run writes them as
+_MANIFEST_FIELDS = {"config": dict, "probe_set": dict, "steps": list, "timings": dict}
 
 
 def _run_settings(manifest: Mapping[str, Any] | None) -> str:
