@@ -32,7 +32,7 @@ from _timing import timed
 
 from tangentlens import models
 from tangentlens.core.compute import site_map, top_eigh
-from tangentlens.core.files import tensor_hash
+from tangentlens.core.digests import tensor_hash
 from tangentlens.probes import fit_bases, lm_loss, probe
 from tangentlens.probes.base import first_equal
 

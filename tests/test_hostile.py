@@ -27,7 +27,7 @@ from test_reliability import ENV, STUDY, _error, _probe, _study_again
 from tangentlens.analysis.interventions import causal_effects
 from tangentlens.analysis.layerwise import layerwise_probe
 from tangentlens.cli import main, workflows
-from tangentlens.core import files
+from tangentlens.core import digests, files
 from tangentlens.core.errors import BasisWeightsWarning, CorruptFileError, UsageError
 from tangentlens.core.files import check_safetensors, remove_stale_temporaries
 from tangentlens.core.stats import Moments
@@ -200,7 +200,7 @@ def test_a_part_with_nan_in_its_embedding_names_the_file(
 
     _tamper(path, nan)
     header = check_safetensors(path)["__metadata__"]
-    header[files.CONTENT_KEY] = files.tensor_hash(load_file(str(path)))  # a consistent hash
+    header[files.CONTENT_KEY] = digests.tensor_hash(load_file(str(path)))  # a consistent hash
     header[files.METADATA_KEY] = files.metadata_hash(header)
     save_file(load_file(str(path)), str(path), metadata=header)
     with pytest.raises(CorruptFileError) as err:

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tangentlens.cli import main, workflows
-from tangentlens.core import files, results
+from tangentlens.core import digests, files, results
 from tangentlens.core.errors import CorruptFileError, UsageError
 from tangentlens.core.files import (
     LOCK_FILE,
@@ -133,7 +133,7 @@ def _retensor(path: Path, change: Callable[[dict, dict], None]) -> None:
     header = check_safetensors(path).get("__metadata__", {})
     change(tensors, header)
     if files.CONTENT_KEY in header:
-        header[files.CONTENT_KEY] = files.tensor_hash(tensors)
+        header[files.CONTENT_KEY] = digests.tensor_hash(tensors)
     if files.METADATA_KEY in header:
         header[files.METADATA_KEY] = files.metadata_hash(header)
     save_file(tensors, str(path), metadata=header)
@@ -294,6 +294,12 @@ CLI_CASES: dict[str, Case] = {
     "config.json whose settings are not a model's": lambda w, t: (
         _probe(_edited(t, "config.json", '{"model_type": "llama", "hidden_size": "x"}'),
                t / "out"), ("model", "does not load as a model", "config.json")),
+    "train_config.json with a seed that is no int": lambda w, t: (
+        ["study", "--checkpoints", str(_train_config(w, t, seed="x")), "--out", str(t / "o"),
+         *STUDY], ("train_config.json", "corrupt", "seed")),
+    "train_config.json with a corpus that is no path": lambda w, t: (
+        ["study", "--checkpoints", str(_train_config(w, t, corpus=5)), "--out", str(t / "o"),
+         *STUDY], ("train_config.json", "corrupt", "corpus")),
     "sharded weights with a missing shard": lambda w, t: (
         _probe(_missing_shard(t), t / "out"), ("model-00002", "missing")),
     "checkpoint whose tokenizer does not fit the model": lambda w, t: (
@@ -417,6 +423,13 @@ def _no_tokenizer(tmp: Path) -> Path:
 def _bad_config(tmp: Path) -> Path:
     folder = _model_copy(tmp)
     (folder / "config.json").write_text('{"model_type": "llama",')
+    return folder
+
+
+def _train_config(w: Path, tmp: Path, **change: object) -> Path:
+    folder = _series_copy(w, tmp)
+    path = folder / "train_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     return folder
 
 
@@ -930,7 +943,7 @@ def test_tensor_hash_is_sha256_of_names_dtypes_shapes_and_bytes() -> None:
         t = state[name].contiguous()
         reference.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         reference.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    assert files.tensor_hash(state) == reference.hexdigest()
-    assert files.tensor_hash(dict(reversed(state.items()))) == reference.hexdigest()
+    assert digests.tensor_hash(state) == reference.hexdigest()
+    assert digests.tensor_hash(dict(reversed(state.items()))) == reference.hexdigest()
     state["w"][0, 0] += 1
-    assert files.tensor_hash(state) != reference.hexdigest()
+    assert digests.tensor_hash(state) != reference.hexdigest()

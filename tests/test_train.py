@@ -15,8 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
+from tangentlens.core.digests import tensor_hash
 from tangentlens.core.errors import CorruptFileError, UsageError
-from tangentlens.core.files import read_checked_json, tensor_hash, write_checked_json
+from tangentlens.core.files import read_checked_json, write_checked_json
 from tangentlens.data import train as train_module
 from tangentlens.data.train import TrainConfig, checkpoint_steps, train
 from tangentlens.study.config import open_series

@@ -26,15 +26,9 @@ import pandas as pd
 from torch import Tensor
 
 from ..core import results
+from ..core.digests import content_sha256
 from ..core.errors import MissingFileError, UsageError
-from ..core.files import (
-    content_sha256,
-    lock_folder,
-    read_json,
-    remove_stale_temporaries,
-    write_checked_json,
-    write_json,
-)
+from ..core.files import lock_folder, remove_stale_temporaries, write_checked_json, write_json
 from ..core.settings import (
     PROBE,
     QUICK_STUDY,
@@ -67,7 +61,7 @@ from ..report.page import OVERVIEW_TITLES
 from ..report.render import render_report, run_digests
 from ..report.verdicts import paper_claims
 from ..study import Study, StudyConfig
-from ..study.config import open_series
+from ..study.config import open_series, trained_config
 from ..version import __version__
 
 __all__ = [
@@ -366,12 +360,10 @@ def train_seeds(
 
 # ----------------------------------------------------------------------------- study
 def _train_record(checkpoints: str) -> dict[str, Any]:
-    """The config a `tangentlens train` folder records (empty for other series)."""
-    try:
-        saved = read_json(Path(checkpoints).expanduser() / "train_config.json")
-    except (OSError, ValueError):  # not a train folder, or not its record: no settings
-        return {}
-    return saved if isinstance(saved, dict) else {}
+    """The config a `tangentlens train` folder records (empty for other series); a damaged
+    one names its file (`trained_config`)."""
+    config = trained_config(checkpoints)
+    return {} if config is None else config.to_dict()
 
 
 def _trained_with(checkpoints: str) -> dict[str, Any]:

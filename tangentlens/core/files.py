@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import hashlib
 import json
 import os
 import re
@@ -27,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 from filelock import lock_descriptor
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 from ..version import __version__
+from .digests import config_digest, tensor_hash
 from .errors import CorruptFileError, MissingFileError, UsageError
 
 __all__ = [
@@ -45,8 +44,6 @@ __all__ = [
     "atomic_folder",
     "atomic_write",
     "check_safetensors",
-    "config_digest",
-    "content_sha256",
     "dataclass_from_dict",
     "environment_error",
     "load_tensors",
@@ -57,7 +54,6 @@ __all__ = [
     "read_json",
     "remove_stale_temporaries",
     "save_tensors",
-    "tensor_hash",
     "write_bytes",
     "write_checked_json",
     "write_json",
@@ -374,32 +370,6 @@ def dataclass_from_dict(cls: type[T], d: Mapping[str, Any]) -> T:
     return cls(**d)
 
 
-def tensor_hash(tensors: dict[str, Tensor]) -> str:
-    """SHA-256 over names, dtypes, shapes and bytes of a state dict (order independent)."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
-    return h.hexdigest()
-
-
-def content_sha256(path: str | Path) -> str:
-    """SHA-256 of a file's bytes, or of a folder's files (each one's relative name, size
-    and bytes, in name order): what a run records of an input it reads by path, so one
-    edited or rewritten in place is known as another input."""
-    path = Path(path)
-    h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    for file in files:
-        if file is not path:
-            h.update(f"{file.relative_to(path)}|{file.stat().st_size}|".encode())
-        with open(file, "rb") as fh:
-            while chunk := fh.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 def metadata_hash(metadata: Mapping[str, str]) -> str:
     """SHA-256 of a safetensors file's metadata entries but this hash's own (the content
     hash included): the numbers a file keeps beside its tensors are checked as they are."""
@@ -407,12 +377,6 @@ def metadata_hash(metadata: Mapping[str, str]) -> str:
 
 
 # ----------------------------------------------------------------------------- one writer
-def config_digest(config: Mapping[str, Any]) -> str:
-    """SHA-256 of a configuration's canonical JSON: what a folder's record compares."""
-    text = json.dumps(config, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 @dataclass
 class _Held:
     fd: int

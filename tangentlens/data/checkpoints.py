@@ -8,7 +8,7 @@ Three sources give the same :class:`CheckpointSeries`:
 * hub revisions such as Pythia's ``step{N}`` branches (needs internet):
   :meth:`CheckpointSeries.from_hub`.
 
-Every loaded checkpoint is hashed (:func:`tangentlens.core.files.tensor_hash` of its state
+Every loaded checkpoint is hashed (:func:`tangentlens.core.digests.tensor_hash` of its state
 dict); a step whose weights equal an earlier step's is flagged (public Pythia
 branches are known to serve duplicated weights).
 """
@@ -27,8 +27,9 @@ from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
+from ..core.digests import tensor_hash
 from ..core.errors import CorruptFileError, MissingFileError, UsageError
-from ..core.files import check_safetensors, read_checked_json, read_json, tensor_hash
+from ..core.files import check_safetensors, read_checked_json, read_json
 from ..core.validation import check_window_fraction
 from ..models import loading as models
 from ..models.loading import TOKENIZER_FILES, check_model_folder, quiet_transformers

@@ -20,15 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..core.digests import content_sha256
 from ..core.errors import CorruptFileError, UsageError
-from ..core.files import (
-    RECORD_FILE,
-    check_safetensors,
-    content_sha256,
-    lock_folder,
-    read_checked_json,
-    read_json,
-)
+from ..core.files import RECORD_FILE, check_safetensors, lock_folder, read_checked_json, read_json
 from .checkpoints import METADATA_FILE
 from .corpus import text_sha256
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core.digests import tensor_hash
 from ..core.errors import CorruptFileError, UsageError
 from ..core.files import (
     FolderLock,
@@ -47,7 +48,6 @@ from ..core.files import (
     read_json,
     remove_stale_temporaries,
     save_tensors,
-    tensor_hash,
     write_checked_json,
     write_json,
 )
@@ -55,6 +55,7 @@ from ..core.settings import TRAIN
 from ..core.validation import (
     OBJECTIVES,
     check_encoding,
+    check_int,
     check_limits,
     check_seed,
     check_seq_len,
@@ -160,11 +161,7 @@ class TrainConfig:
         check_limits(self, "TrainConfig")
         self.seq_len = check_seq_len(self.seq_len, "TrainConfig.seq_len")
         self.seed = check_seed(self.seed, "TrainConfig.seed")
-        if not is_int(self.warmup_steps) or self.warmup_steps < 0:
-            raise UsageError(
-                f"TrainConfig.warmup_steps must be an int >= 0; got {self.warmup_steps!r}."
-            )
-        self.warmup_steps = int(self.warmup_steps)
+        self.warmup_steps = check_int(self.warmup_steps, "TrainConfig.warmup_steps", minimum=0)
         if self.split_seed is not None:
             check_seed(self.split_seed, "TrainConfig.split_seed")
             # one form per run: a split seed equal to the seed is the default split, so a
@@ -175,6 +172,8 @@ class TrainConfig:
                 f"TrainConfig.max_chars must be None or a positive int; got {self.max_chars!r}."
             )
         self.encoding = check_encoding(self.encoding, "TrainConfig.encoding")
+        if self.corpus is not None and not isinstance(self.corpus, str):
+            raise UsageError(f"TrainConfig.corpus must be a path or None; got {self.corpus!r}.")
         if self.objective not in OBJECTIVES:
             raise UsageError(
                 f"TrainConfig.objective must be one of {OBJECTIVES}; got {self.objective!r}."

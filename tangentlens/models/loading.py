@@ -24,7 +24,6 @@ internet) load too. A hub id while offline fails at once instead of retrying.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -53,13 +52,8 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from ..core.errors import (
-    CorruptFileError,
-    HubUnavailableError,
-    MissingFileError,
-    TangentlensError,
-    UsageError,
-)
+from ..core.digests import content_sha256
+from ..core.errors import CorruptFileError, HubUnavailableError, MissingFileError, UsageError
 from ..core.files import atomic_folder, check_safetensors, read_json
 from ..core.validation import check_backend
 from ..hooks.families import is_causal
@@ -265,7 +259,7 @@ def _convert_gguf(gguf: Path, target: Path, *, source: str) -> None:
         provenance = {
             "source": source,
             "source_file": gguf.name,
-            "source_sha256": _sha256(gguf),
+            "source_sha256": content_sha256(gguf),
             "source_metadata": _gguf_metadata(gguf),
             "converted_by": f"tangentlens {__version__}, transformers {transformers.__version__}",
             "seconds": round(time.perf_counter() - start, 1),
@@ -293,14 +287,6 @@ def _gguf_metadata(gguf: Path) -> dict[str, Any]:
         if key.startswith(f"{arch}.") and isinstance(value, (int, float, str)):
             out[key] = value
     return out
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def is_hub_id(name: str) -> bool:
@@ -337,8 +323,8 @@ def check_model_folder(folder: Path, *, tokenizer: bool = True) -> None:
             "config.json; else load the model where you trust its code (trust_remote_code="
             "True) and pass the model object to the Python API."
         )
-    if (folder / "tokenizer.json").is_file():
-        read_json(folder / "tokenizer.json", dict, fix="restore the model folder's tokenizer")
+    for path in sorted(folder.glob("*.json")):  # its settings and tokenizer: JSON objects
+        read_json(path, dict, fix="restore the model folder")
     weights = _safetensors_files(folder)
     if not weights:
         pickled = sorted(f.name for f in folder.iterdir() if f.suffix in _PICKLE_SUFFIXES)
@@ -556,45 +542,27 @@ def load(
         source = model_folder(name)
         if isinstance(source, str):
             _check_hub(source)
-        if isinstance(source, Path):
-            _check_settings(source)
         try:
             model, tokenizer, causal = _load_source(str(source), backend, torch_dtype, device)
         except SafetensorError as err:
             raise CorruptFileError(
                 f"the weights of {source} are damaged ({err}); restore the model folder."
             ) from err
-        except TangentlensError:
-            raise
         except _LOAD_ERRORS as err:
-            if not isinstance(source, Path):
+            if not isinstance(source, Path) or isinstance(err, UsageError | CorruptFileError):
                 raise
-            # a local folder's settings that parse but do not describe a model
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            first = (str(err).strip().splitlines() or [""])[0][:200]  # settings, not a model
             raise CorruptFileError(
-                f"{source} does not load as a model ({type(err).__name__}: {first[:200]}); "
-                "check its config.json, or restore the model folder."
+                f"{source} does not load as a model ({type(err).__name__}: {first}); check its "
+                "config.json, or restore the model folder."
             ) from err
     return LoadedModel(model, tokenizer, name, backend, str(source), causal)
 
 
 # what a loader raises on settings that parse but describe no model (huggingface-hub's
 # strict config fields raise their own kind)
-_LOAD_ERRORS = (
-    ValueError,
-    TypeError,
-    KeyError,
-    AttributeError,
-    RuntimeError,
-    getattr(huggingface_hub.errors, "StrictDataclassError", ValueError),
-)
-
-
-def _check_settings(folder: Path) -> None:
-    """Each JSON file of a model folder (its config, tokenizer and generation settings)
-    is one JSON object: a damaged one is named here, not deep inside a loader."""
-    for path in sorted(folder.glob("*.json")):
-        read_json(path, dict, fix="restore the model folder")
+_STRICT = getattr(huggingface_hub.errors, "StrictDataclassError", ValueError)
+_LOAD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, RuntimeError, _STRICT)
 
 
 @contextmanager

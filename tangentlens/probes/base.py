@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..core.digests import tensor_hash
 from ..core.errors import CorruptFileError, UsageError
-from ..core.files import tensor_hash
 from ..core.results import row  # the probes' row builder, here beside the protocol they follow
 from ..core.stats import Moments, SharedBatch
 from ..core.subspace import TangentBasis

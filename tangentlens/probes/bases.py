@@ -8,8 +8,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..core.digests import tensor_hash
 from ..core.errors import BasisSiteWarning, BasisWeightsWarning, CorruptFileError, UsageError
-from ..core.files import load_tensors, save_tensors, tensor_hash
+from ..core.files import load_tensors, save_tensors
 from ..core.stats import Moments
 from ..core.subspace import TangentBasis
 from ..hooks.families import unwrap

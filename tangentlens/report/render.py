@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..core.digests import content_sha256
 from ..core.errors import MissingFileError, UsageError
 from ..core.files import (
     RECORD_FILE,
-    content_sha256,
     lock_folder,
     read_checked_json,
     read_json,

@@ -29,15 +29,9 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..core.digests import config_digest, tensor_hash
 from ..core.errors import CorruptFileError, UsageError
-from ..core.files import (
-    CONTENT_KEY,
-    check_safetensors,
-    config_digest,
-    load_tensors,
-    save_tensors,
-    tensor_hash,
-)
+from ..core.files import CONTENT_KEY, check_safetensors, load_tensors, save_tensors
 from ..core.stats import Moments
 from ..data import corpus
 from ..hooks.base import Backend, get_backend

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.compute import threads
-from ..core.errors import UsageError
+from ..core.errors import CorruptFileError, UsageError
 from ..core.files import dataclass_from_dict, read_json, writer_of
 from ..core.settings import HEAD_NULL, STUDY, ZETA
 from ..core.validation import (
@@ -229,6 +229,20 @@ def _check_probes(probes: Any) -> tuple[str, ...]:
     return tuple(p for p in known if p in chosen)
 
 
+def trained_config(folder: str | Path) -> TrainConfig | None:
+    """The config a `tangentlens train` folder records, None where there is none (another
+    series, a hub id); one that does not validate is a `CorruptFileError` naming the file,
+    not an error about settings the caller never gave."""
+    path = Path(folder).expanduser() / CONFIG_FILE
+    if not path.is_file():
+        return None
+    fix = "restore it, or rerun `tangentlens train` with --restart"
+    try:
+        return TrainConfig.from_dict(read_json(path, dict, fix=fix))
+    except UsageError as err:
+        raise CorruptFileError(f"{path} is corrupt ({err}); {fix}.") from None
+
+
 def open_series(source: str) -> Any:
     """A `CheckpointSeries` from a local folder, or from hub revisions for an ``owner/name``
     id that is not a local path. Errors of the series (missing folder, no checkpoints,
@@ -244,8 +258,8 @@ def open_series(source: str) -> Any:
             "it; wait for it to finish, then run the study"
         )
     series = CheckpointSeries.from_folder(path)
-    if (path / CONFIG_FILE).is_file():  # a `tangentlens train` folder: its schedule is known
-        config = TrainConfig.from_dict(read_json(path / CONFIG_FILE))
+    config = trained_config(path)
+    if config is not None:  # a `tangentlens train` folder: its schedule is known
         upto = max(series.steps[-1], trained_to(path) or 0)  # what its training wrote
         gone = [s for s in config.steps if s <= upto and s not in series.steps]
         if gone:

@@ -44,15 +44,9 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from ..core import results
+from ..core.digests import tensor_hash
 from ..core.errors import UsageError
-from ..core.files import (
-    FolderLock,
-    lock_folder,
-    read_json,
-    remove_stale_temporaries,
-    tensor_hash,
-    write_json,
-)
+from ..core.files import FolderLock, lock_folder, read_json, remove_stale_temporaries, write_json
 from ..core.validation import check_int
 from ..probes.distributed import launch
 from .analyse import analyse, fit_bases
