@@ -18,14 +18,8 @@ import pytest
 from tangentlens.cli import main
 from tangentlens.core import results
 from tangentlens.core.errors import CorruptFileError, MissingFileError, UsageError
-from tangentlens.core.files import (
-    LOCK_FILE,
-    RECORD_FILE,
-    atomic_folder,
-    lock_folder,
-    read_json,
-    write_text,
-)
+from tangentlens.core.files import LOCK_FILE, RECORD_FILE, atomic_folder, read_json, write_text
+from tangentlens.core.folders import lock_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -121,7 +115,7 @@ def test_a_hard_link_at_the_lock_leaves_its_other_name_as_it_was(tmp_path: Path)
 _HOLDER = textwrap.dedent(
     """
     import sys
-    from tangentlens.core.files import lock_folder
+    from tangentlens.core.folders import lock_folder
     with lock_folder(sys.argv[1], "study"):
         print("held", flush=True)
         sys.stdin.readline()

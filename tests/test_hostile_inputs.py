@@ -25,7 +25,8 @@ from test_reliability import _error, _probe
 from tangentlens.cli import main, workflows
 from tangentlens.core import results
 from tangentlens.core.errors import CorruptFileError, UsageError
-from tangentlens.core.files import RECORD_FILE, lock_folder
+from tangentlens.core.files import RECORD_FILE
+from tangentlens.core.folders import lock_folder
 from tangentlens.data import corpus, resume
 from tangentlens.data import train as train_module
 from tangentlens.data.train import TrainConfig, train

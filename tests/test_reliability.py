@@ -30,13 +30,8 @@ from safetensors.torch import load_file, save_file
 from tangentlens.cli import main, workflows
 from tangentlens.core import digests, files, results
 from tangentlens.core.errors import CorruptFileError, UsageError
-from tangentlens.core.files import (
-    LOCK_FILE,
-    RECORD_FILE,
-    check_safetensors,
-    load_tensors,
-    lock_folder,
-)
+from tangentlens.core.files import LOCK_FILE, RECORD_FILE, check_safetensors, load_tensors
+from tangentlens.core.folders import lock_folder
 from tangentlens.core.stats import Moments
 from tangentlens.core.validation import check_int
 from tangentlens.data import corpus
@@ -338,7 +333,7 @@ CLI_CASES: dict[str, Case] = {
     "--seq-len 1": lambda w, t: (
         _probe(hf_folder("llama"), t / "o", "--seq-len", "1"), ("no next token",)),
     "train --seed -1": lambda w, t: (
-        ["train", "--quick", "--out", str(t / "o"), "--seed", "-1"], ("seed", ">= 0")),
+        ["train", "--quick", "--out", str(t / "o"), "--seed", "-1"], ("seed", "[0, ")),
     "study --seed -1": lambda w, t: (_study_again(w, t / "o", "--seed", "-1"), ("seed",)),
     "report --out a folder": lambda w, t: (
         ["report", str(w / "study"), "--out", str(t)], ("HTML file", "report.html")),
@@ -567,7 +562,7 @@ API_CASES: dict[str, tuple[Callable[[Path, Path], object], type[Exception], tupl
     "StudyConfig encoding='klingon'": (
         lambda w, t: StudyConfig(checkpoints="x", encoding="klingon"), UsageError,
         ("encoding", "latin-1")),
-    "TrainConfig seed=-1": (lambda w, t: TrainConfig.tiny(seed=-1), UsageError, ("seed", ">= 0")),
+    "TrainConfig seed=-1": (lambda w, t: TrainConfig.tiny(seed=-1), UsageError, ("seed", "[0, ")),
     "TrainConfig d_model=True": (
         lambda w, t: TrainConfig.tiny(d_model=True), UsageError, ("d_model",)),
     "TrainConfig lr=nan": (

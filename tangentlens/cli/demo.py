@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..core.files import lock_folder, remove_stale_temporaries, write_checked_json
+from ..core.files import remove_stale_temporaries, write_checked_json
+from ..core.folders import lock_folder
 from ..core.settings import DEMO, DEMO_STUDY, QUICK_DEMO
 from ..core.validation import check_int, check_seeds
 from ..data.train import TOKENIZER_DIR, train

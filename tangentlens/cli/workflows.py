@@ -8,7 +8,7 @@ Seeds are the unit of replication: each seed is its own run in its own ``seed{S}
 folder, and the verdicts read every seed's table.
 Each takes keyword options and a ``log`` callable for its one-line progress messages; the
 CLI passes ``print``. Each command that writes a folder holds it as its one writer for the
-whole run (`tangentlens.core.files.lock_folder`) and writes only into a folder that it made
+whole run (`tangentlens.core.folders.lock_folder`) and writes only into a folder that it made
 with the same configuration, or an empty one.
 """
 
@@ -28,7 +28,8 @@ from torch import Tensor
 from ..core import results
 from ..core.digests import content_sha256
 from ..core.errors import MissingFileError, UsageError
-from ..core.files import lock_folder, remove_stale_temporaries, write_checked_json, write_json
+from ..core.files import remove_stale_temporaries, write_checked_json, write_json
+from ..core.folders import lock_folder
 from ..core.settings import (
     PROBE,
     QUICK_STUDY,

@@ -15,23 +15,17 @@ import json
 import os
 import re
 import secrets
-import shlex
 import shutil
 import stat
-import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from filelock import lock_descriptor
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from ..version import __version__
 from .digests import config_digest, tensor_hash
 from .errors import CorruptFileError, MissingFileError, UsageError
 
@@ -40,14 +34,12 @@ __all__ = [
     "LOCK_FILE",
     "METADATA_KEY",
     "RECORD_FILE",
-    "FolderLock",
     "atomic_folder",
     "atomic_write",
     "check_safetensors",
     "dataclass_from_dict",
     "environment_error",
     "load_tensors",
-    "lock_folder",
     "make_readable",
     "metadata_hash",
     "read_checked_json",
@@ -58,7 +50,6 @@ __all__ = [
     "write_checked_json",
     "write_json",
     "write_text",
-    "writer_of",
 ]
 
 LOCK_FILE = ".tangentlens.lock"
@@ -117,6 +108,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
             fd = os.open(tmp_path, flags, 0o666)
         except FileExistsError:
             continue
+        except OSError as err:
+            raise _named(err, path) from None
         mode = stat.S_IMODE(os.fstat(fd).st_mode)
         os.close(fd)
         break
@@ -126,7 +119,10 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
             os.chmod(tmp_path, mode)
         with open(tmp_path, "rb") as fh:
             os.fsync(fh.fileno())
-        os.replace(tmp_path, path)
+        try:
+            os.replace(tmp_path, path)
+        except OSError as err:
+            raise _named(err, path) from None
     finally:
         tmp_path.unlink(missing_ok=True)
     return path
@@ -144,9 +140,12 @@ def atomic_folder(
     `OSError`; nothing of the temporary is left either way."""
     final = Path(final)
     _make_parent(final)
-    tmp = Path(
-        tempfile.mkdtemp(prefix=prefix or f".{final.name}.", suffix=".tmp", dir=final.parent)
-    )
+    try:
+        tmp = Path(
+            tempfile.mkdtemp(prefix=prefix or f".{final.name}.", suffix=".tmp", dir=final.parent)
+        )
+    except OSError as err:
+        raise _named(err, final) from None
     try:
         _fill(final, tmp, fill)
         make_readable(tmp)
@@ -154,10 +153,19 @@ def atomic_folder(
             if f.is_file() and not f.is_symlink():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError as err:
+            raise _named(err, final) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _named(err: OSError, path: Path) -> OSError:
+    """``err`` naming the file a writer makes rather than its hidden temporary, which a
+    message would name and the user would not find."""
+    return type(err)(err.errno, err.strerror, str(path))
 
 
 def current_umask() -> int:
@@ -374,220 +382,3 @@ def metadata_hash(metadata: Mapping[str, str]) -> str:
     """SHA-256 of a safetensors file's metadata entries but this hash's own (the content
     hash included): the numbers a file keeps beside its tensors are checked as they are."""
     return config_digest({k: v for k, v in metadata.items() if k != METADATA_KEY})
-
-
-# ----------------------------------------------------------------------------- one writer
-@dataclass
-class _Held:
-    fd: int
-    claimed_by: str | None = None  # the outermost command of this process that claimed it
-
-
-_HELD: dict[str, _Held] = {}
-
-
-@dataclass
-class FolderLock:
-    """This process's exclusive hold on an output folder (see `lock_folder`)."""
-
-    folder: Path
-    command: str
-    _key: str = field(repr=False)
-
-    def claim(
-        self,
-        config: Mapping[str, Any],
-        outputs: Sequence[str],
-        *,
-        results: Sequence[str] = (),
-        adopt: Callable[[], bool] | None = None,
-    ) -> None:
-        """Check, then record, that this command with this configuration writes the folder.
-
-        ``outputs``: glob patterns of what the command writes; ``results``: those whose
-        presence means work is done. The folder's record (`RECORD_FILE`) must name this
-        command and configuration; a record of another configuration is replaced only
-        while none of ``results`` exists (a run that failed before computing anything).
-        A folder without a record may hold none of ``outputs`` unless ``adopt()`` accepts
-        them (a folder of this command from before records; it may raise its own
-        `UsageError`). A command run inside another one of this process that already
-        claimed the folder (the demo's steps) adds itself to that record.
-        """
-        held = _HELD[self._key]
-        path = self.folder / RECORD_FILE
-        mine = {"command": self.command, "digest": config_digest(config), "config": config}
-        record = _read_record(path)
-        writers = record["writers"] if record else []
-        if any(w["command"] == mine["command"] and w["digest"] == mine["digest"] for w in writers):
-            held.claimed_by = held.claimed_by or self.command
-            return
-        if held.claimed_by not in (None, self.command):
-            _write_record(path, [*writers, json.loads(json.dumps(mine, default=str))])
-            return
-        if writers:
-            same = [w for w in writers if w["command"] == self.command]
-            if not same:
-                raise UsageError(
-                    f"{self.folder} holds the output of `tangentlens {writers[0]['command']}`; "
-                    f"`tangentlens {self.command}` never writes over another command's "
-                    "results: choose a new --out."
-                )
-            done = _present(self.folder, results)
-            if done:
-                diff = _differences(same[0].get("config", {}), mine["config"])
-                raise UsageError(
-                    f"{self.folder} holds a `tangentlens {self.command}` run with another "
-                    f"configuration (differs in {diff}); rerun with the same options to "
-                    "resume, or choose a new --out."
-                )
-        else:
-            found = _present(self.folder, outputs)
-            if found and not (adopt is not None and adopt()):
-                raise UsageError(
-                    f"{self.folder} already holds {', '.join(found[:4])} not made by "
-                    f"`tangentlens {self.command}` (no {RECORD_FILE}); it never overwrites "
-                    "results it did not make: choose a new --out."
-                )
-        _write_record(path, [json.loads(json.dumps(mine, default=str))])
-        held.claimed_by = self.command
-
-
-def _read_record(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    record = read_json(path, dict, fix="restore this damaged folder record, or choose a new --out")
-    try:
-        if not all(isinstance(w["command"], str) and w["digest"] for w in record["writers"]):
-            raise ValueError("a writer without command or digest")
-    except (ValueError, TypeError, KeyError) as err:
-        raise CorruptFileError(
-            f"{path} is damaged ({err}); restore it, or choose a new --out."
-        ) from err
-    return record
-
-
-def _write_record(path: Path, writers: list[dict[str, Any]]) -> None:
-    write_json(path, {"tangentlens_version": __version__, "writers": writers})
-
-
-def _present(folder: Path, patterns: Sequence[str]) -> list[str]:
-    found = {str(p.relative_to(folder)) for pattern in patterns for p in folder.glob(pattern)}
-    return sorted(found)
-
-
-def _differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
-    b = json.loads(json.dumps(b, default=str))
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-
-
-def _holder(folder: Path) -> str:
-    """Who holds a folder, from the record its holder wrote into the lock file (opened
-    without following a link and without blocking, so a planted link or FIFO tells
-    nothing and stops nothing)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(folder / LOCK_FILE, flags)
-        try:
-            info = json.loads(os.read(fd, 4096) or b"{}")
-        finally:
-            os.close(fd)
-        return f"pid {int(info['pid'])}: `{info['argv']}`"
-    except (OSError, ValueError, TypeError, KeyError):
-        return "a process that has not said who it is yet"
-
-
-def _open_folder(folder: Path) -> int:
-    """A descriptor of the folder itself, which is what the lock is taken on."""
-    if os.name == "nt":  # pragma: no cover - no descriptor of a folder there
-        raise UsageError(
-            f"cannot lock {folder}: output folders are locked with POSIX directory locks, "
-            "which this system lacks; run tangentlens on Linux or macOS (or in WSL)."
-        )
-    return os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-
-
-def _say_who(folder: Path, me: Mapping[str, Any]) -> None:
-    """Record the holder in the lock file: refuse anything there but a plain file (a
-    planted link is named, and what it points to is never opened), then replace the
-    name atomically, so even a hard link to another file leaves that file as it was."""
-    path = folder / LOCK_FILE
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    if mode is not None and not stat.S_ISREG(mode):
-        kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a plain file"
-        raise UsageError(
-            f"{path} is {kind}, not tangentlens's lock file (nothing it points to was "
-            "touched); delete it and rerun, or choose another --out."
-        )
-    write_json(path, me)
-
-
-def writer_of(folder: str | Path) -> str | None:
-    """Who holds ``folder`` as its writer now (the holder's record), or None when no run
-    of another process does: a reader of a run's output (a study of a series still
-    training) refuses it rather than read half of it. The check takes the lock for an
-    instant and drops it with the descriptor."""
-    folder = Path(folder).expanduser()
-    if not folder.is_dir() or os.path.realpath(folder) in _HELD:  # this process's own
-        return None
-    try:
-        fd = _open_folder(folder)
-    except OSError:
-        return None
-    try:
-        return None if lock_descriptor(fd, blocking=False) else _holder(folder)
-    except OSError:  # a file system without locks: no writer can hold it either
-        return None
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def lock_folder(folder: str | Path, command: str) -> Iterator[FolderLock]:
-    """Hold ``folder`` for ``command`` as its one writer until the block ends.
-
-    The lock is an exclusive ``flock`` (`filelock.lock_descriptor`) on a descriptor of
-    the folder itself, not on a file in it: deleting or replacing ``.tangentlens.lock``
-    while a run holds the folder cannot let a second writer in, a symbolic link planted
-    under that name is never followed, and the kernel drops the lock when the process
-    ends, however it ends (a killed run leaves nothing stale). The holder then writes
-    its pid and command line into ``.tangentlens.lock`` (a plain record, replaced
-    atomically), which a second writer's refusal names; a second writer fails at once
-    with a `UsageError`. Holding it again in the same process nests (the demo's steps).
-    """
-    folder = Path(folder).expanduser()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        key = os.path.realpath(folder)
-        held = _HELD.get(key)
-        fd = held.fd if held else _open_folder(folder)
-    except OSError as err:
-        reason = err.strerror or type(err).__name__
-        raise UsageError(f"cannot write to {folder} ({reason}); choose a writable --out.") from err
-    if held is not None:  # an outer command of this process holds it: one writer still
-        yield FolderLock(folder, command, key)
-        return
-    try:
-        locked = lock_descriptor(fd, blocking=False)
-    except OSError as err:
-        os.close(fd)
-        raise UsageError(
-            f"cannot lock {folder} ({err.strerror or err}): its file system has no locks; "
-            "choose an --out on a local disk."
-        ) from None
-    if not locked:
-        holder = _holder(folder)
-        os.close(fd)
-        raise UsageError(
-            f"{folder} is in use by another tangentlens run ({holder}); wait for it to "
-            "finish, or choose another --out."
-        )
-    _HELD[key] = _Held(fd)
-    try:
-        _say_who(folder, {"pid": os.getpid(), "command": command, "argv": shlex.join(sys.argv)})
-        yield FolderLock(folder, command, key)
-    finally:
-        del _HELD[key]
-        os.close(fd)  # releases the lock

@@ -22,7 +22,8 @@ from typing import Any
 
 from ..core.digests import content_sha256
 from ..core.errors import CorruptFileError, UsageError
-from ..core.files import RECORD_FILE, check_safetensors, lock_folder, read_checked_json, read_json
+from ..core.files import RECORD_FILE, check_safetensors, read_checked_json, read_json
+from ..core.folders import lock_folder
 from .checkpoints import METADATA_FILE
 from .corpus import text_sha256
 

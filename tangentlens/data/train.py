@@ -39,11 +39,9 @@ from torch import Tensor
 from ..core.digests import tensor_hash
 from ..core.errors import CorruptFileError, UsageError
 from ..core.files import (
-    FolderLock,
     atomic_folder,
     dataclass_from_dict,
     load_tensors,
-    lock_folder,
     read_checked_json,
     read_json,
     remove_stale_temporaries,
@@ -51,6 +49,7 @@ from ..core.files import (
     write_checked_json,
     write_json,
 )
+from ..core.folders import FolderLock, lock_folder
 from ..core.settings import TRAIN
 from ..core.validation import (
     OBJECTIVES,

@@ -24,12 +24,12 @@ from ..core.digests import content_sha256
 from ..core.errors import MissingFileError, UsageError
 from ..core.files import (
     RECORD_FILE,
-    lock_folder,
     read_checked_json,
     read_json,
     remove_stale_temporaries,
     write_json,
 )
+from ..core.folders import lock_folder
 from .claims import Claim
 from .figures import FIGURES
 from .page import (

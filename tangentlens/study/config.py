@@ -12,7 +12,8 @@ from typing import Any
 
 from ..core.compute import threads
 from ..core.errors import CorruptFileError, UsageError
-from ..core.files import dataclass_from_dict, read_json, writer_of
+from ..core.files import dataclass_from_dict, read_json
+from ..core.folders import writer_of
 from ..core.settings import HEAD_NULL, STUDY, ZETA
 from ..core.validation import (
     BACKENDS,

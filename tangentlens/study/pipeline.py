@@ -27,7 +27,7 @@ checkpoint once more for the probe pass (which is why a probe registered in this
 alone is enough).
 
 Every file is written atomically, by one writer: the run holds the folder's lock
-(`tangentlens.core.files.lock_folder`) and refuses a folder that another command or another
+(`tangentlens.core.folders.lock_folder`) and refuses a folder that another command or another
 configuration made. Whatever it reuses is verified first: the probe set and each part
 carry the settings (and probe-set hash) that made them, and are made again, never
 trusted, when those differ (a folder whose record was deleted).
@@ -46,7 +46,8 @@ from tqdm.auto import tqdm
 from ..core import results
 from ..core.digests import tensor_hash
 from ..core.errors import UsageError
-from ..core.files import FolderLock, lock_folder, read_json, remove_stale_temporaries, write_json
+from ..core.files import read_json, remove_stale_temporaries, write_json
+from ..core.folders import FolderLock, lock_folder
 from ..core.validation import check_int
 from ..probes.distributed import launch
 from .analyse import analyse, fit_bases
