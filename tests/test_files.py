@@ -272,3 +272,17 @@ def test_a_manifest_of_the_wrong_type_is_one_line(
     (written / "manifest.json").write_text("[1, 2, 3]\n")
     line = _error(["report", str(written)], capsys)
     assert str(written / "manifest.json") in line and "JSON array" in line, line
+
+
+def test_a_failed_write_names_the_file_it_makes_not_its_temporary(tmp_path: Path) -> None:
+    """A folder standing where a file belongs, or a file where a folder belongs: the error
+    names that path (what the user can find and move), never the hidden temporary."""
+    (tmp_path / "results.csv").mkdir()
+    with pytest.raises(OSError) as err:
+        write_text(tmp_path / "results.csv", "a")
+    assert err.value.filename == str(tmp_path / "results.csv")
+    (tmp_path / "step4").write_text("not a folder")
+    with pytest.raises(OSError) as err:
+        atomic_folder(tmp_path / "step4", lambda tmp: (tmp / "x").write_text("x"))
+    assert err.value.filename == str(tmp_path / "step4")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing left
