@@ -332,6 +332,9 @@ CLI_CASES: dict[str, Case] = {
     # arguments, with messages that name the real cause
     "--seq-len 1": lambda w, t: (
         _probe(hf_folder("llama"), t / "o", "--seq-len", "1"), ("no next token",)),
+    "probe --out ''": lambda w, t: (
+        ["probe", "--model", str(hf_folder("llama")), "--out", "", *PROBE], ("--out", "empty")),
+    "report ''": lambda w, t: (["report", ""], ("DIR", "empty")),
     "train --seed -1": lambda w, t: (
         ["train", "--quick", "--out", str(t / "o"), "--seed", "-1"], ("seed", "[0, ")),
     "study --seed -1": lambda w, t: (_study_again(w, t / "o", "--seed", "-1"), ("seed",)),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tangentlens.cli import commands as cli
+from tangentlens.cli import arguments
 from tangentlens.core.errors import UsageError
 from tangentlens.core.validation import check_seq_len, check_window_fraction
 from tangentlens.data import corpus
@@ -41,27 +41,27 @@ def test_window_fraction_accepts_its_bounds() -> None:
 def test_every_entry_point_states_the_same_seq_len_rule() -> None:
     rule = "int >= 2; got 1: a one-token sequence"
     with pytest.raises(argparse.ArgumentTypeError, match=rule):
-        cli._seq_len("1")
+        arguments.seq_len("1")
     with pytest.raises(argparse.ArgumentTypeError, match="int >= 2; got 'x'"):
-        cli._seq_len("x")
+        arguments.seq_len("x")
     with pytest.raises(UsageError, match=rule):
         StudyConfig(checkpoints="unused", seq_len=1)
     with pytest.raises(UsageError, match=rule):
         TrainConfig.tiny(seq_len=1)
     with pytest.raises(UsageError, match=rule):
         corpus.token_batches(None, ids=torch.arange(15), seq_len=1)
-    assert cli._seq_len("2") == 2
+    assert arguments.seq_len("2") == 2
 
 
 def test_every_entry_point_states_the_same_window_fraction_rule() -> None:
     rule = r"a number in \(0, 0.5\] so the early and late windows do not overlap; got 0.9"
     with pytest.raises(argparse.ArgumentTypeError, match=rule):
-        cli._fraction("0.9")
+        arguments.fraction("0.9")
     with pytest.raises(argparse.ArgumentTypeError, match="got 'half'"):
-        cli._fraction("half")
+        arguments.fraction("half")
     with pytest.raises(UsageError, match=rule):
         StudyConfig(checkpoints="unused", window_fraction=0.9)
-    assert cli._fraction("0.5") == 0.5
+    assert arguments.fraction("0.5") == 0.5
 
 
 def test_every_entry_point_takes_seeds_up_to_the_largest_every_generator_takes() -> None:
@@ -80,7 +80,7 @@ def test_every_entry_point_takes_seeds_up_to_the_largest_every_generator_takes()
     with pytest.raises(UsageError, match=r"StudyConfig\.seed"):
         StudyConfig(checkpoints="x", seed=MAX_SEED + 1)
     with pytest.raises(argparse.ArgumentTypeError, match=str(MAX_SEED)):
-        cli._seed(str(2**63))
+        arguments.seed(str(2**63))
     assert len(check_seeds(",".join(map(str, range(20_000))))) == 20_000
     with pytest.raises(UsageError, match="repeats seed 7"):
         check_seeds("1,7,3,7")

@@ -20,7 +20,7 @@ import errno
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -40,13 +40,10 @@ from ..core.settings import (
 from ..core.validation import (
     BACKENDS,
     CONTROLS,
-    MAX_SEED,
     OBJECTIVES,
     check_int,
-    check_seeds,
-    check_seq_len,
-    check_window_fraction,
 )
+from . import arguments as arg
 
 __all__ = ["build_parser", "main"]
 
@@ -74,83 +71,11 @@ def _help(setting: Setting, *, quick: object = None, trainer: str = "") -> str:
     return f"{setting.help} (default: {default})".replace("%", "%%")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"a seed is an integer in [0, {MAX_SEED}], got {text!r}")
-    return value
-
-
-def _seeds(text: str) -> tuple[int, ...]:
-    try:
-        return check_seeds(text, "--seeds")
-    except UsageError as error:
-        raise argparse.ArgumentTypeError(str(error).rstrip(".")) from None
-
-
 def _chosen_seeds(args: argparse.Namespace) -> tuple[int, ...] | None:
     """``--seeds``, or ``--n-seeds N`` as seeds 0..N-1, or None (neither given)."""
     if args.n_seeds is not None:
         return tuple(range(check_int(args.n_seeds, "--n-seeds", minimum=1)))
     return args.seeds
-
-
-def _checked(
-    convert: Callable[[str], Any], rule: Callable[[Any, str], Any], flag: str
-) -> Callable[[str], Any]:
-    """An argparse type that converts the text and applies the package's own ``rule`` (so
-    the CLI and the API refuse a value with one message); text that does not convert is
-    handed to the rule as it is, which refuses it too."""
-
-    def parse(text: str) -> Any:
-        try:
-            value: object = convert(text)
-        except ValueError:
-            value = text
-        try:
-            return rule(value, flag)
-        except UsageError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return parse
-
-
-_seq_len = _checked(int, check_seq_len, "--seq-len")
-_fraction = _checked(float, check_window_fraction, "--window-fraction")
-
-
-def _layer(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a layer is an integer >= 0, got {text!r}")
-    return value
-
-
-def _step_range(text: str) -> tuple[int, int]:
-    lo, sep, hi = text.partition(":")
-    try:
-        pair = (int(lo), int(hi))
-    except ValueError:
-        pair = (-1, -1)
-    if not sep or pair[0] < 0 or pair[0] > pair[1]:
-        raise argparse.ArgumentTypeError(f"a step range is LO:HI with 0 <= LO <= HI, got {text!r}")
-    return pair
 
 
 # ----------------------------------------------------------------------------- commands
@@ -308,9 +233,9 @@ def _seed_options(
     """``--seeds S,S,...`` and ``--n-seeds N`` (one of them; the group is returned so a
     command can add its single ``--seed`` to it)."""
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--seeds", metavar="S,S,...", type=_seeds, help=_help(seeds, quick=quick))
+    group.add_argument("--seeds", metavar="S,S,...", type=arg.seeds, help=_help(seeds, quick=quick))
     group.add_argument(
-        "--n-seeds", metavar="N", type=_positive_int, help=_help(DEMO.n_seeds, quick=None)
+        "--n-seeds", metavar="N", type=arg.positive_int, help=_help(DEMO.n_seeds, quick=None)
     )
     return group
 
@@ -339,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--out",
         metavar="DIR",
+        type=arg.path,
         default="tangentlens-demo",
         help="output folder (default: %(default)s)",
     )
@@ -357,31 +283,34 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument(
         "--model",
         metavar="NAME|FOLDER",
+        type=arg.path,
         required=True,
         help="smollm2-135m, minilm-l6, gemma3-270m, a local Hugging Face folder, or a hub id",
     )
     probe.add_argument(
         "--backend", choices=BACKENDS, default=PROBE.backend.default, help=_help(PROBE.backend)
     )
-    probe.add_argument("--text", metavar="FILE", default=PROBE.text.default, help=_help(PROBE.text))
+    probe.add_argument(
+        "--text", metavar="FILE", type=arg.path, default=PROBE.text.default, help=_help(PROBE.text)
+    )
     probe.add_argument(
         "--encoding", metavar="NAME", default=PROBE.encoding.default, help=_help(PROBE.encoding)
     )
     # each option's argparse default is its setting's (the API's) default
     for flag, metavar, kind, extra in (
-        ("--rank", "K", _positive_int, {}),
-        ("--layers", "L", _layer, {"nargs": "+"}),
-        ("--tokens", "N", _positive_int, {}),
-        ("--seq-len", "N", _seq_len, {}),
-        ("--batch-size", "N", _positive_int, {}),
-        ("--n-controls", "N", _positive_int, {}),
-        ("--world-size", "N", _positive_int, {}),
+        ("--rank", "K", arg.positive_int, {}),
+        ("--layers", "L", arg.layer, {"nargs": "+"}),
+        ("--tokens", "N", arg.positive_int, {}),
+        ("--seq-len", "N", arg.seq_len, {}),
+        ("--batch-size", "N", arg.positive_int, {}),
+        ("--n-controls", "N", arg.positive_int, {}),
+        ("--world-size", "N", arg.positive_int, {}),
     ):
         setting = getattr(PROBE, flag[2:].replace("-", "_"))
         probe.add_argument(
             flag, metavar=metavar, type=kind, default=setting.default, help=_help(setting), **extra
         )
-    probe.add_argument("--out", metavar="DIR", required=True, help="output folder")
+    probe.add_argument("--out", metavar="DIR", type=arg.path, required=True, help="output folder")
     probe.set_defaults(func=cmd_probe)
 
     # train and study: an option left out is None, so the config's own default applies
@@ -394,18 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
         "BERT-style encoder) with a Pythia-like checkpoint schedule (step0, step1, step2, "
         "step4, ...); a rerun with the same options resumes.",
     )
-    train.add_argument("--out", metavar="DIR", required=True, help="output folder")
-    train.add_argument("--corpus", metavar="FILE", help=_help(TRAIN.corpus))
+    train.add_argument("--out", metavar="DIR", type=arg.path, required=True, help="output folder")
+    train.add_argument("--corpus", metavar="FILE", type=arg.path, help=_help(TRAIN.corpus))
     train.add_argument("--encoding", metavar="NAME", help=_help(TRAIN.encoding))
     train.add_argument(
         "--max-steps",
         metavar="N",
-        type=_positive_int,
+        type=arg.positive_int,
         help=_help(TRAIN.max_steps, quick=QUICK_TRAIN["max_steps"]),
     )
     train.add_argument("--objective", choices=OBJECTIVES, help=_help(TRAIN.objective))
     seeds = _seed_options(train, TRAIN.seeds)
-    seeds.add_argument("--seed", metavar="N", type=_seed, help=_help(TRAIN.seed))
+    seeds.add_argument("--seed", metavar="N", type=arg.seed, help=_help(TRAIN.seed))
     train.add_argument("--quick", action="store_true", help="a tiny model: seconds")
     train.add_argument("--restart", action="store_true", help=_help(TRAIN.restart))
     train.set_defaults(func=cmd_train)
@@ -421,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument(
         "--checkpoints",
         metavar="DIR|HUB_ID",
+        type=arg.path,
         nargs="+",
         required=True,
         help="a folder of step{N}/ checkpoints, or a hub id such as EleutherAI/pythia-70m; "
@@ -428,41 +358,43 @@ def build_parser() -> argparse.ArgumentParser:
         "or the folder of `tangentlens train --seeds`: one study per seed into OUT/seed{S}/ "
         "and the verdicts over all of them in OUT/summary.json",
     )
-    study.add_argument("--out", metavar="DIR", required=True, help="output folder")
+    study.add_argument("--out", metavar="DIR", type=arg.path, required=True, help="output folder")
     study.add_argument("--backend", choices=BACKENDS, help=_help(STUDY.backend))
     study.add_argument(
         "--rank",
         metavar="K",
-        type=_positive_int,
+        type=arg.positive_int,
         nargs="+",
         help=_help(STUDY.rank, quick=QUICK_STUDY["rank"]),
     )
     study.add_argument(
         "--n-controls",
         metavar="N",
-        type=_positive_int,
+        type=arg.positive_int,
         help=_help(STUDY.n_controls, quick=QUICK_STUDY["n_controls"]),
     )
     study.add_argument("--controls", choices=CONTROLS, help=_help(STUDY.controls))
     study.add_argument(
-        "--window-fraction", metavar="F", type=_fraction, help=_help(STUDY.window_fraction)
+        "--window-fraction", metavar="F", type=arg.fraction, help=_help(STUDY.window_fraction)
     )
     study.add_argument("--windows", choices=("step", "index"), help=_help(STUDY.windows))
-    study.add_argument("--early", metavar="LO:HI", type=_step_range, help=_help(STUDY.early))
-    study.add_argument("--late", metavar="LO:HI", type=_step_range, help=_help(STUDY.late))
+    study.add_argument("--early", metavar="LO:HI", type=arg.step_range, help=_help(STUDY.early))
+    study.add_argument("--late", metavar="LO:HI", type=arg.step_range, help=_help(STUDY.late))
     study.add_argument(
         "--sequences",
         metavar="N",
-        type=_positive_int,
+        type=arg.positive_int,
         help=_help(STUDY.n_sequences, quick=QUICK_STUDY["n_sequences"]),
     )
-    study.add_argument("--corpus", metavar="FILE", help=_help(STUDY.corpus, trainer="corpus"))
+    study.add_argument(
+        "--corpus", metavar="FILE", type=arg.path, help=_help(STUDY.corpus, trainer="corpus")
+    )
     study.add_argument("--encoding", metavar="NAME", help=_help(STUDY.encoding, trainer="encoding"))
-    study.add_argument("--seed", metavar="N", type=_seed, help=_help(STUDY.seed, trainer="seed"))
+    study.add_argument("--seed", metavar="N", type=arg.seed, help=_help(STUDY.seed, trainer="seed"))
     study.add_argument(
         "--world-size",
         metavar="N",
-        type=_positive_int,
+        type=arg.positive_int,
         default=STUDY.world_size.default,
         help=_help(STUDY.world_size),
     )
@@ -478,10 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
         "and write its page: DIR/report.html and figures/ (a demo's or a study over seeds': the "
         "overview, and each run's page), or with --out only that page and its own figure folder.",
     )
-    report.add_argument("dir", metavar="DIR", help="the --out folder of study, probe or demo")
+    report.add_argument(
+        "dir", metavar="DIR", type=arg.path, help="the --out folder of study, probe or demo"
+    )
     report.add_argument(
         "--out",
         metavar="FILE",
+        type=arg.path,
         help="the HTML file to write, not a folder, with its figures in FILE_files/ beside it "
         "(default: DIR/report.html)",
     )
