@@ -335,6 +335,9 @@ CLI_CASES: dict[str, Case] = {
     "probe --out ''": lambda w, t: (
         ["probe", "--model", str(hf_folder("llama")), "--out", "", *PROBE], ("--out", "empty")),
     "report ''": lambda w, t: (["report", ""], ("DIR", "empty")),
+    "study into a checkpoint of its own series": lambda w, t: (
+        ["study", "--checkpoints", str(_series_copy(w, t)), "--out", str(t / "series" / "step8"),
+         *STUDY], ("--out", "inside the series", "outside")),
     "train --seed -1": lambda w, t: (
         ["train", "--quick", "--out", str(t / "o"), "--seed", "-1"], ("seed", "[0, ")),
     "study --seed -1": lambda w, t: (_study_again(w, t / "o", "--seed", "-1"), ("seed",)),

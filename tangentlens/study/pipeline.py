@@ -102,6 +102,12 @@ class Study:
         world_size = check_int(world_size, "world_size", minimum=1)
         start = time.perf_counter()
         out = Path(out_dir)
+        source = Path(cfg.checkpoints).expanduser()
+        if source.is_dir() and out.expanduser().resolve().is_relative_to(source.resolve()):
+            raise UsageError(  # its parts and tables would land among the checkpoints it reads
+                f"--out {out} lies inside the series it studies ({source}); choose a folder "
+                "outside it."
+            )
         series = open_series(cfg.checkpoints)
         windows = series.windows(
             cfg.window_fraction, by=cfg.windows, early=cfg.early, late=cfg.late
