@@ -670,6 +670,25 @@ def test_hostile_api_case(name: str, world: Path, tmp_path: Path) -> None:
         assert needle in message, f"{name}: {message!r} lacks {needle!r}"
 
 
+def test_a_study_prints_its_claims_with_its_own_window_fraction(
+    world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The summary the command prints, like the page it writes, reads the claims' window
+    panel with the study's --window-fraction."""
+    import importlib
+
+    module = importlib.import_module("tangentlens.report.summary")
+    seen: list[object] = []
+    real = module.paper_claims
+    monkeypatch.setattr(
+        module,
+        "paper_claims",
+        lambda t, **kw: seen.append(kw.get("window_fraction")) or real(t, **kw),
+    )
+    assert main(_study_again(world, tmp_path / "o", "--window-fraction", "0.4")) == 0
+    assert seen and set(seen) == {0.4}
+
+
 def test_numpy_integers_are_integers_and_configs_stay_json(world: Path, tmp_path: Path) -> None:
     cfg = _study_cfg(world, rank=np.int64(3), n_controls=np.int32(40), seed=np.int64(2))
     assert cfg.rank == 3 and cfg.ranks == (3,) and type(cfg.rank) is int

@@ -175,7 +175,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         progress = not args.quiet
         table = workflows.run_study(config, out, world_size=args.world_size, progress=progress)
         _say(f"\nreport: {out / 'report.html'} ({time.perf_counter() - start:.0f} s)")
-        _say(format_summary(summary(table)))
+        _say(format_summary(summary(table, window_fraction=config.window_fraction)))
         return 0
     configs = {seed: workflows.study_config(path, **options) for seed, path in series.items()}
     _, claims = workflows.run_studies(
