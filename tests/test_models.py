@@ -179,3 +179,19 @@ def test_minilm_both_backends_agree() -> None:
         hidden = loaded_nn.model.encoder.layer[5].output.save()
     assert hidden.shape == (2, batch["input_ids"].shape[1], 384)
     torch.testing.assert_close(hidden, cache["blocks.5.hook_resid_post"], atol=1e-4, rtol=1e-4)
+
+
+def test_a_folder_check_reads_the_json_a_loader_reads(tmp_path: Path) -> None:
+    """The settings and tokenizer files a loader reads must be JSON objects; other JSON a
+    folder holds (a sentence-transformers folder's modules.json is a list) is not refused."""
+    import shutil
+
+    from models import hf_folder
+
+    folder = Path(shutil.copytree(hf_folder("llama"), tmp_path / "model"))
+    (folder / "modules.json").write_text('[{"idx": 0, "type": "Transformer"}]')
+    models.check_model_folder(folder)  # MiniLM's own folder holds one too
+    models.check_model_folder(models.minilm_folder())
+    (folder / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(CorruptFileError, match=r"tokenizer_config\.json"):
+        models.check_model_folder(folder)

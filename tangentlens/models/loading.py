@@ -85,6 +85,10 @@ _PROVENANCE = "tangentlens-conversion.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _NETWORK_TIMEOUT_S = 3.0
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# the JSON files a loader reads besides config.json, each one object (a sentence-transformers
+# folder holds others, such as modules.json, a list, which no loader here reads)
+_SETTINGS_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "generation_config.json")  # fmt: skip
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -323,7 +327,7 @@ def check_model_folder(folder: Path, *, tokenizer: bool = True) -> None:
             "config.json; else load the model where you trust its code (trust_remote_code="
             "True) and pass the model object to the Python API."
         )
-    for path in sorted(folder.glob("*.json")):  # its settings and tokenizer: JSON objects
+    for path in (folder / name for name in _SETTINGS_FILES if (folder / name).is_file()):
         read_json(path, dict, fix="restore the model folder")
     weights = _safetensors_files(folder)
     if not weights:
@@ -559,10 +563,9 @@ def load(
     return LoadedModel(model, tokenizer, name, backend, str(source), causal)
 
 
-# what a loader raises on settings that parse but describe no model (huggingface-hub's
-# strict config fields raise their own kind)
-_STRICT = getattr(huggingface_hub.errors, "StrictDataclassError", ValueError)
-_LOAD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, RuntimeError, _STRICT)
+# a loader's errors on settings that parse but describe no model (hub's strict fields too)
+_LOAD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, RuntimeError,
+                getattr(huggingface_hub.errors, "StrictDataclassError", ValueError))  # fmt: skip
 
 
 @contextmanager
