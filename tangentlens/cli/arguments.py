@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.errors import UsageError
-from ..core.validation import MAX_SEED, check_seeds, check_seq_len, check_window_fraction
+from ..core.validation import check_seed, check_seeds, check_seq_len, check_window_fraction
 
 __all__ = [
     "checked",
@@ -31,16 +31,6 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"a seed is an integer in [0, {MAX_SEED}], got {text!r}")
     return value
 
 
@@ -79,6 +69,7 @@ def checked(
 
 
 seq_len = checked(int, check_seq_len, "--seq-len")
+seed = checked(int, check_seed, "--seed")
 fraction = checked(float, check_window_fraction, "--window-fraction")
 
 

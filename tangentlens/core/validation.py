@@ -31,6 +31,7 @@ __all__ = [
     "check_seq_len",
     "check_window_fraction",
     "is_int",
+    "is_seed",
     "max_rank",
 ]
 
@@ -71,9 +72,14 @@ MAXIMA = {
 MAX_SEED = 2**31 - 1
 
 
+def is_seed(value: Any) -> bool:
+    """An int in [0, `MAX_SEED`]: the one seed rule every check below reads."""
+    return is_int(value) and 0 <= value <= MAX_SEED
+
+
 def check_seed(value: Any, name: str = "seed") -> int:
-    """A seed: an int in [0, `MAX_SEED`]."""
-    if not is_int(value) or not 0 <= value <= MAX_SEED:
+    """A seed (`is_seed`), as a plain int."""
+    if not is_seed(value):
         raise UsageError(f"{name} must be an int in [0, {MAX_SEED}]; got {value!r}.")
     return int(value)
 
@@ -136,7 +142,7 @@ def check_seeds(seeds: Any, name: str = "seeds") -> tuple[int, ...]:
         text = item.strip() if isinstance(item, str) else item
         if isinstance(text, str) and text.lstrip("+").isdigit():
             text = int(text)
-        if not is_int(text) or not 0 <= text <= MAX_SEED:
+        if not is_seed(text):
             raise UsageError(f"{name} {seeds!r}: {item!r} is no seed in [0, {MAX_SEED}]; {fix}.")
         if int(text) in out:
             raise UsageError(f"{name} {seeds!r} repeats seed {int(text)}; {fix}.")

@@ -25,6 +25,7 @@ from ..core.validation import (
     check_seq_len,
     check_window_fraction,
     is_int,
+    is_seed,
 )
 from ..data.checkpoints import CheckpointSeries
 from ..data.resume import CONFIG_FILE, trained_to
@@ -154,7 +155,7 @@ class StudyConfig:
             "controls": self.controls in CONTROLS,
             "windows": self.windows in ("step", "index"),
             "zeta": 0.0 <= self.zeta <= 1.0,
-            "seed": is_int(self.seed) and 0 <= self.seed <= MAX_SEED,
+            "seed": is_seed(self.seed),
             "probe_fraction": 0.0 < self.probe_fraction < 1.0,
             "max_chars": self.max_chars is None or (is_int(self.max_chars) and self.max_chars > 0),
             "reservoir": is_int(self.reservoir) and (self.reservoir == 0 or self.reservoir >= 3),
