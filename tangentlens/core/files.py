@@ -18,7 +18,8 @@ import secrets
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -105,11 +106,10 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
     while True:
         tmp_path = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
         try:
-            fd = os.open(tmp_path, flags, 0o666)
+            with _naming(path):
+                fd = os.open(tmp_path, flags, 0o666)
         except FileExistsError:
             continue
-        except OSError as err:
-            raise _named(err, path) from None
         mode = stat.S_IMODE(os.fstat(fd).st_mode)
         os.close(fd)
         break
@@ -119,10 +119,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
             os.chmod(tmp_path, mode)
         with open(tmp_path, "rb") as fh:
             os.fsync(fh.fileno())
-        try:
+        with _naming(path):
             os.replace(tmp_path, path)
-        except OSError as err:
-            raise _named(err, path) from None
     finally:
         tmp_path.unlink(missing_ok=True)
     return path
@@ -140,12 +138,10 @@ def atomic_folder(
     `OSError`; nothing of the temporary is left either way."""
     final = Path(final)
     _make_parent(final)
-    try:
+    with _naming(final):
         tmp = Path(
             tempfile.mkdtemp(prefix=prefix or f".{final.name}.", suffix=".tmp", dir=final.parent)
         )
-    except OSError as err:
-        raise _named(err, final) from None
     try:
         _fill(final, tmp, fill)
         make_readable(tmp)
@@ -153,19 +149,22 @@ def atomic_folder(
             if f.is_file() and not f.is_symlink():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-        try:
+        with _naming(final):
             os.rename(tmp, final)
-        except OSError as err:
-            raise _named(err, final) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def _named(err: OSError, path: Path) -> OSError:
-    """``err`` naming the file a writer makes rather than its hidden temporary, which a
-    message would name and the user would not find."""
-    return type(err)(err.errno, err.strerror, str(path))
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An `OSError` inside the block, of the same kind, naming the file a writer makes
+    rather than its hidden temporary, which a message would name and the user would not
+    find."""
+    try:
+        yield
+    except OSError as err:
+        raise type(err)(err.errno, err.strerror, str(path)) from None
 
 
 def current_umask() -> int:

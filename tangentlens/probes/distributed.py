@@ -259,11 +259,7 @@ def _probe_worker(
     # the passes one process would run (text read into batches, a tensor one batch), so
     # the global pass index, and with it each interval's group, is that process's
     passes = as_batches(model, batches)
-    if len(passes) < world_size:
-        raise UsageError(
-            f"{len(passes)} batches cannot feed {world_size} processes; pass at least "
-            "world_size batches or lower --world-size."
-        )
+    _check_enough(len(passes), world_size)
     mine = shard(passes, rank, world_size)
     first = sum(len(shard(passes, r, world_size)) for r in range(rank))
     given = options.pop("group_of", None)  # of the global pass index, as in one process
@@ -271,6 +267,14 @@ def _probe_worker(
     session = run(model, mine, bases, probes, progress=progress, group_of=group_of, **options)
     all_reduce_session(session)
     return session.results() if rank == 0 else None
+
+
+def _check_enough(n_batches: int, world_size: int) -> None:
+    if n_batches < world_size:
+        raise UsageError(
+            f"{n_batches} batches cannot feed {world_size} processes; pass at least "
+            "world_size batches or lower --world-size."
+        )
 
 
 def run_probe(
@@ -291,11 +295,7 @@ def run_probe(
     """
     if not isinstance(batches, torch.Tensor | Mapping | str):
         batches = list(batches)  # a generator cannot travel to the ranks
-        if world_size > 1 and len(batches) < world_size:  # fewer items: fewer batches
-            raise UsageError(
-                f"{len(batches)} batches cannot feed {world_size} processes; pass at least "
-                "world_size batches or lower --world-size."
-            )
+        _check_enough(len(batches), world_size)  # fewer items: fewer batches
     if world_size == 1:
         return _probe_worker(0, 1, model_factory, batches, bases, probes, dict(options))
     return launch(_probe_worker, world_size, model_factory, batches, bases, probes, dict(options))
