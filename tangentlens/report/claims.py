@@ -70,7 +70,7 @@ _KNOWN = {"claim", "paper", "statistic", "model", "gradient_object", "rank", "ve
           "p_value", "p_holm", "scope"}  # fmt: skip
 
 
-def _older_comparison(numbers: Mapping[str, Any]) -> dict[str, Any]:
+def _comparison_of_two_numbers(numbers: Mapping[str, Any]) -> dict[str, Any]:
     """A one-seed decoder-vs-encoder record that holds the two models' numbers only (the
     form without ``difference``): their difference, which has no interval with one seed
     each (the verdict compares the two token intervals)."""
@@ -344,7 +344,7 @@ class Claim:
             if set(numbers) - set(_NUMBER_KEYS):
                 raise KeyError(sorted(set(numbers) - set(_NUMBER_KEYS)))
             if tested not in numbers and name == "encoders_weaker":
-                numbers = _older_comparison(numbers)
+                numbers = _comparison_of_two_numbers(numbers)
             context = tuple(
                 (k, None if numbers[k] is None else Estimate.from_dict(numbers[k]))
                 for k in _NUMBER_KEYS
