@@ -184,8 +184,14 @@ def test_bad_input_gives_one_line_errors(run, tmp_path):
         CheckpointSeries.from_folder(partial)
     _one_line(err)
 
-    with pytest.raises(ValueError, match="appear twice"):
+    with pytest.raises(ValueError, match="a and b are both step 1"):
         CheckpointSeries([Checkpoint(1, "a"), Checkpoint(1, "b")])
+    (partial / "step0" / "tangentlens.json").unlink()
+    shutil.copytree(partial / "step0", partial / "step00")
+    with pytest.raises(ValueError) as err:  # two folders of one step: both named
+        CheckpointSeries.from_folder(partial)
+    assert str(partial / "step0") in str(err.value) and str(partial / "step00") in str(err.value)
+    _one_line(err)
     with pytest.raises(ValueError, match="at least one checkpoint"):
         CheckpointSeries([])
 

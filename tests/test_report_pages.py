@@ -175,3 +175,39 @@ def test_a_folder_of_runs_without_its_summary_names_the_fix(
     (demo / "summary.json").write_text('{"claims": 3}')
     line = _error(["report", str(demo)], capsys)
     assert "summary.json" in line
+
+
+def test_report_refuses_a_page_inside_the_runs_own_folders(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """figures/ (and any folder below the run) is rewritten by the run's commands: a page
+    there is refused before anything is written."""
+    folder = _copy(folders["probe"], tmp_path)
+    before = _snapshot(folder)
+    line = _error(["report", str(folder), "--out", str(folder / "figures" / "x.html")], capsys)
+    assert "--out" in line and str(folder / "figures" / "x.html") in line
+    assert _snapshot(folder) == before
+
+
+def test_a_page_that_is_a_folder_is_never_written_into(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    folder = _copy(folders["study"], tmp_path)
+    page = folder / "report.html"
+    page.mkdir()
+    with pytest.raises(ValueError, match="is a folder"):
+        report.write_report(results.read(folder), page)
+    assert str(page) in _error(["report", str(folder), "-q"], capsys)
+    assert not any(page.iterdir())
+
+
+def test_values_no_figure_can_draw_are_one_line(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A table whose values overflow an axis's span (±1e308) is refused naming the
+    statistic, where matplotlib would fail on a singular transform."""
+    folder = _copy(folders["study"], tmp_path)
+    table = results.read(folder)
+    statistic = table["statistic"].iloc[0]
+    results.write(table.assign(value=[(-1) ** i * 1e308 for i in range(len(table))]), folder)
+    assert statistic in _error(["report", str(folder), "-q"], capsys)

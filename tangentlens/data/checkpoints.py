@@ -246,7 +246,16 @@ class CheckpointSeries:
         steps = [c.step for c in items]
         repeated = sorted({s for s in steps if steps.count(s) > 1})
         if repeated:
-            raise UsageError(f"steps {repeated} appear twice; give each checkpoint one step.")
+            # folders (step1, step01) or revisions: name the sources, which the user renames
+            sources = [
+                c.source if c.is_local else f"{c.source}@{c.revision}"
+                for c in items
+                if c.step == repeated[0]
+            ]
+            raise UsageError(
+                f"{' and '.join(map(str, sources))} are both step {repeated[0]}; give each "
+                "checkpoint one step (rename or move one of them)."
+            )
         self.checkpoints: list[Checkpoint] = items
         self.name = name
         self._loader: Loader = loader or _hf_loader

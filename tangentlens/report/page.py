@@ -310,6 +310,11 @@ def load_results(path: str | Path) -> pd.DataFrame:
 
 def _target(out_path: str | Path) -> Path:
     out = Path(out_path)
+    if out.is_dir() and out.suffix.lower() in (".html", ".htm"):
+        # a folder named as the page (a run's report.html replaced by one): never written into
+        raise UsageError(
+            f"{out} is a folder, not a page: move it out of the way, or pass another file"
+        )
     return out / "report.html" if out.is_dir() else out
 
 

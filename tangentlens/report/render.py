@@ -115,6 +115,12 @@ def _check_target(target: str | Path, source: Path) -> Path:
             f"{page / 'report.html'}"
         )
     home = page.parent
+    if home.resolve().is_relative_to(source.resolve()) and home.resolve() != source.resolve():
+        # figures/, bases/, a seed's run: folders the tool rewrites, never a page's home
+        raise UsageError(
+            f"--out {page} is inside {source}'s own folders, which its commands rewrite: "
+            f"write the page in {source} itself or outside it"
+        )
     if home.resolve() != source.resolve():
         other = [name for name in _RUN_MARKERS if (home / name).exists()]
         if other:

@@ -67,6 +67,7 @@ def prepare(results: pd.DataFrame, *, rank: int | None = None) -> pd.DataFrame:
     for column in ("ci_low", "ci_high"):  # a table without intervals draws none
         if column not in t.columns:
             t = t.assign(**{column: np.nan})
+    _check_drawable(t)
     present = ranks(t)
     if rank is not None and rank not in present:
         raise UsageError(f"the table has no rows of rank {rank}; it holds ranks {present}.")
@@ -74,6 +75,25 @@ def prepare(results: pd.DataFrame, *, rank: int | None = None) -> pd.DataFrame:
         chosen = present[0] if rank is None else rank
         t = select(t, rank=[None, chosen])
     return t
+
+
+# Far beyond any statistic the tool writes (sums of float32 squares stay below 1e77 a
+# token), and far enough inside float64 that an axis spanning two values cannot overflow.
+_DRAWABLE = 1e150
+
+
+def _check_drawable(t: pd.DataFrame) -> None:
+    """Refuse values no figure can draw: an axis whose span overflows float64 is a
+    singular transform inside matplotlib, not a page."""
+    values = t[["value", "ci_low", "ci_high"]].apply(pd.to_numeric, errors="coerce")
+    huge = values.abs().gt(_DRAWABLE).any(axis=1).to_numpy()
+    if huge.any():
+        first = t[huge].iloc[0]
+        raise UsageError(
+            f"the table's {first['statistic']} at {first['hook']} is beyond ±{_DRAWABLE:.0e} "
+            "(or its interval is), which no statistic of the tool reaches and no figure can "
+            "draw: re-create the table with `tangentlens study` or `tangentlens probe`."
+        )
 
 
 def pick(
