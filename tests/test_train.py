@@ -138,6 +138,22 @@ def test_finished_run_is_not_redone_and_config_must_match(tiny_run):
         train(TrainConfig.tiny(seed=9), tiny_run, progress=False)
 
 
+def test_a_finished_rerun_names_a_damaged_checkpoint_and_the_fix(tiny_run, tmp_path):
+    """A finished run is not trained again, but its checkpoints are checked as a study
+    would open them: a truncated weights file is named with the rebuild, and the rebuild
+    gives the same weights."""
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_run, out)
+    weights = out / "step16" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    with pytest.raises(CorruptFileError) as err:
+        train(TrainConfig.tiny(), out, progress=False)
+    assert str(weights) in str(err.value) and "rerun train" in str(err.value)
+    shutil.rmtree(out / "step16")
+    train(TrainConfig.tiny(), out, progress=False)
+    assert _hashes(out) == _hashes(tiny_run)
+
+
 def test_rerun_checks_folders_it_would_rewrite(tiny_run, tmp_path):
     # A kill between a folder's rename and the state write leaves folders ahead of the
     # state: the rerun recomputes them, keeps them, and refuses weights that differ.

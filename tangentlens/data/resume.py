@@ -24,7 +24,7 @@ from ..core.digests import content_sha256
 from ..core.errors import CorruptFileError, UsageError
 from ..core.files import RECORD_FILE, check_safetensors, read_checked_json, read_json
 from ..core.folders import lock_folder
-from .checkpoints import METADATA_FILE
+from .checkpoints import METADATA_FILE, CheckpointSeries
 from .corpus import text_sha256
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "INPUT_KEYS",
     "STATE_FILE",
     "TOKENIZER_DIR",
+    "check_finished",
     "check_inputs",
     "inputs_digest",
     "is_started",
@@ -126,6 +127,21 @@ def check_inputs(out: Path, inputs: Mapping[str, str], corpus: str | None) -> No
                 f"{out / TOKENIZER_DIR} is not the tokenizer {where} was trained with (its "
                 f"SHA-256 differs): restore it, {RESTART}."
             )
+
+
+def check_finished(out: Path, inputs: Mapping[str, str], corpus: str | None) -> None:
+    """Refuse a finished run trained on other inputs (`check_inputs`) or whose checkpoints
+    are not whole as a study opening them would find them (a folder without its config or
+    weights, a truncated weights file, a damaged record): a rerun of `train` names the
+    damage where a study would meet it later."""
+    check_inputs(out, inputs, corpus)
+    try:
+        CheckpointSeries.from_folder(out)
+    except (UsageError, CorruptFileError) as err:
+        raise type(err)(
+            f"{err} (delete that checkpoint folder and rerun train with the same options to "
+            "rebuild it)"
+        ) from err
 
 
 def start_over(out: str | Path) -> None:

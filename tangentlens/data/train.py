@@ -70,6 +70,7 @@ from .resume import (
     RESTART,
     STATE_FILE,
     TOKENIZER_DIR,
+    check_finished,
     check_inputs,
     inputs_digest,
     is_started,
@@ -433,9 +434,9 @@ def train(
         if restart:
             start_over(out)
         _prepare_out_dir(config, out, lock)
-        if not missing_steps(out, config.steps):  # finished: if on these inputs
+        if not missing_steps(out, config.steps):  # finished: if on these inputs, and whole
             lines = load_lines(config.corpus, config.max_chars, config.encoding)
-            check_inputs(out, inputs_digest(lines, out / TOKENIZER_DIR), config.corpus)
+            check_finished(out, inputs_digest(lines, out / TOKENIZER_DIR), config.corpus)
             return out
         threads = torch.get_num_threads()
         torch.set_num_threads(config.num_threads)
