@@ -168,6 +168,51 @@ def test_the_refusal_names_the_holder(tmp_path: Path) -> None:
     assert holder.returncode == 0
 
 
+def _train_folder(folder: Path) -> Path:
+    """A `tangentlens train` run's folder as its record and one checkpoint show it."""
+    (folder / "step0").mkdir(parents=True)
+    (folder / "step0" / "config.json").write_text("{}")
+    (folder / "step0" / "model.safetensors").write_bytes(b"weights")
+    (folder / "tokenizer").mkdir()
+    writer = {"command": "train", "digest": "0" * 64, "config": {}}
+    (folder / RECORD_FILE).write_text(json.dumps({"writers": [writer]}))
+    return folder
+
+
+@pytest.mark.parametrize("inside", ["tokenizer/x", "step0", "step0/pages", "other"])
+def test_no_output_folder_inside_a_training_run_or_a_model_folder(
+    inside: str, tmp_path: Path
+) -> None:
+    """Their files are read by content (the tokenizer's digest, a model's): a folder made
+    there, even its lock file, would change them. Refused before anything is made."""
+    run = _train_folder(tmp_path / "run")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    with pytest.raises(UsageError) as err, lock_folder(run / inside, "study"):
+        pass
+    assert str(run / inside) in str(err.value) and "--out" in str(err.value)
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
+def test_the_tools_own_nesting_stays_allowed(tmp_path: Path) -> None:
+    """A run beside or around a training run (a study's folder holding its checkpoints),
+    a training run itself, and a folder this process already writes all lock."""
+    run = _train_folder(tmp_path / "study" / "checkpoints")
+    for folder in (run, tmp_path / "study", tmp_path / "beside"):
+        with lock_folder(folder, "study"):
+            pass
+    with lock_folder(run, "train"), lock_folder(run / "seed1", "train"):
+        pass
+
+
+def test_an_out_inside_a_checkpoint_via_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run = _train_folder(tmp_path / "run")
+    line = _error(["train", "--quick", "--out", str(run / "step0" / "again"), "-q"], capsys)
+    assert str(run / "step0") in line
+    assert not (run / "step0" / "again").exists()
+
+
 # ----------------------------------------------------------------------------- JSON
 @pytest.mark.parametrize(
     ("text", "needle"),

@@ -337,12 +337,12 @@ CLI_CASES: dict[str, Case] = {
     "report ''": lambda w, t: (["report", ""], ("DIR", "empty")),
     "study into a checkpoint of its own series": lambda w, t: (
         ["study", "--checkpoints", str(_series_copy(w, t)), "--out", str(t / "series" / "step8"),
-         *STUDY], ("--out", "inside the series", "outside")),
+         *STUDY], ("--out", "step8", "model folder")),
     "train --seed -1": lambda w, t: (
         ["train", "--quick", "--out", str(t / "o"), "--seed", "-1"], ("seed", "[0, ")),
     "study --seed -1": lambda w, t: (_study_again(w, t / "o", "--seed", "-1"), ("seed",)),
     "report --out a folder": lambda w, t: (
-        ["report", str(w / "study"), "--out", str(t)], ("HTML file", "report.html")),
+        ["report", str(w / "study"), "--out", str(t)], ("HTML file", f"{t}.html")),
     "report --out over a file that is no report": lambda w, t: (
         ["report", str(w / "study"), "--out", _text(t, b"notes")], ("never overwritten",)),
     "report of a folder without results": lambda w, t: (["report", str(t)], ("results.csv",)),

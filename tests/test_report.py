@@ -56,7 +56,8 @@ def synthetic_results(
                 ("gradient", "delta_iso_normal", 0.01),
                 ("gradient", "isotropy_p_value", 0.01),
             ]:
-                add(probe, "resid_pre", layer, stat, v + 0.002 * rng.standard_normal())
+                v += 0.002 * rng.standard_normal()
+                add(probe, "resid_pre", layer, stat, abs(v) if "p_value" in stat else v)
             add("activation", "resid_pre", layer, "twonn_dimension", 5 + i + layer, rank=pd.NA)
             add("activation", "resid_pre", layer, "effective_rank", 10 + 2 * i, rank=pd.NA)
             for head in range(n_heads):

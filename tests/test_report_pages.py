@@ -145,9 +145,10 @@ def test_report_out_refuses_what_it_did_not_make(
     study = str(folders["study"])
     other = _copy(folders["probe"], tmp_path)
     before = _snapshot(other)
-    line = _error(["report", study, "--out", str(other / "page.html")], capsys)
-    assert str(other) in line and "another run" in line
-    assert _snapshot(other) == before
+    for page in (other / "page.html", other / "bases" / "page.html"):  # or a folder in it
+        line = _error(["report", study, "--out", str(page)], capsys)
+        assert str(other) in line and "another run" in line
+    assert _snapshot(other) == before and not (other / "bases").exists()
 
     out = tmp_path / "pages"
     (out / "page_files").mkdir(parents=True)
@@ -187,6 +188,11 @@ def test_report_refuses_a_page_inside_the_runs_own_folders(
     line = _error(["report", str(folder), "--out", str(folder / "figures" / "x.html")], capsys)
     assert "--out" in line and str(folder / "figures" / "x.html") in line
     assert _snapshot(folder) == before
+    # --out naming a folder suggests a page the command accepts
+    assert main(["report", str(folder), "-q"]) == 0  # the run's own page and figures/
+    line = _error(["report", str(folder), "--out", str(folder / "figures")], capsys)
+    assert str(folder / "figures.html") in line
+    assert main(["report", str(folder), "--out", str(folder / "figures.html"), "-q"]) == 0
 
 
 def test_a_page_that_is_a_folder_is_never_written_into(
@@ -210,4 +216,11 @@ def test_values_no_figure_can_draw_are_one_line(
     table = results.read(folder)
     statistic = table["statistic"].iloc[0]
     results.write(table.assign(value=[(-1) ** i * 1e308 for i in range(len(table))]), folder)
-    assert statistic in _error(["report", str(folder), "-q"], capsys)
+    line = _error(["report", str(folder), "-q"], capsys)
+    assert statistic in line and str(folder) in line
+    # a p-value outside [0, 1] would be drawn on a logarithmic axis
+    p_value = table["statistic"].str.endswith("p_value")
+    assert p_value.any()
+    results.write(table.assign(value=table["value"].where(~p_value, -0.5)), folder)
+    line = _error(["report", str(folder), "-q"], capsys)
+    assert "p_value" in line and "[0, 1]" in line

@@ -35,11 +35,13 @@ __all__ = [
     "LOCK_FILE",
     "METADATA_KEY",
     "RECORD_FILE",
+    "WEIGHT_FILES",
     "atomic_folder",
     "atomic_write",
     "check_safetensors",
     "dataclass_from_dict",
     "environment_error",
+    "is_model_folder",
     "load_tensors",
     "make_readable",
     "metadata_hash",
@@ -62,8 +64,17 @@ METADATA_KEY = "metadata_sha256"
 # ``.tmpXXXXXX`` that safetensors itself writes before renaming onto its target
 TEMPORARIES = (".*.tmp", ".tmp*")
 RECORD_FILE = ".tangentlens-folder.json"
+# the weights of a Hugging Face model folder (with its config.json): a checkpoint
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 T = TypeVar("T")
+
+
+def is_model_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a model folder (a ``config.json`` beside its weights)."""
+    return (folder / "config.json").is_file() and any(
+        (folder / name).is_file() for name in WEIGHT_FILES
+    )
 
 
 def _make_parent(path: Path) -> None:

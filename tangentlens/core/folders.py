@@ -21,9 +21,11 @@ from filelock import lock_descriptor
 from ..version import __version__
 from .digests import config_digest
 from .errors import CorruptFileError, UsageError
-from .files import LOCK_FILE, RECORD_FILE, read_json, write_json
+from .files import LOCK_FILE, RECORD_FILE, is_model_folder, read_json, write_json
 
-__all__ = ["FolderLock", "lock_folder", "writer_of"]
+__all__ = ["TRAIN_COMMANDS", "FolderLock", "lock_folder", "writer_of"]
+
+TRAIN_COMMANDS = ("train", "train --seeds")  # the records of a training run's folder
 
 
 @dataclass
@@ -193,6 +195,40 @@ def writer_of(folder: str | Path) -> str | None:
         os.close(fd)
 
 
+def _check_nesting(folder: Path, real: Path) -> None:
+    """Refuse, before anything is made, an output folder that is a model folder or lies in
+    one, or inside a `tangentlens train` run no command of this process holds: their files
+    are read by content (a model's digest, a run's tokenizer and checkpoints), and a folder
+    written there, even its lock file, would change them."""
+    try:
+        _refuse_nesting(folder, real)
+    except OSError:  # a name too long, a file as a parent: making the folder names --out
+        return
+
+
+def _refuse_nesting(folder: Path, real: Path) -> None:
+    if is_model_folder(real):
+        raise UsageError(f"{folder} is a model folder, never written into: choose another --out")
+    for parent in real.parents:
+        if str(parent) in _HELD:  # a folder this process writes: its own layout below
+            return
+        if is_model_folder(parent):
+            raise UsageError(
+                f"{folder} is inside the model folder {parent}, which is read by its content: "
+                "choose an --out outside it"
+            )
+        try:
+            record = _read_record(parent / RECORD_FILE)
+        except (CorruptFileError, UsageError):  # that folder's own commands name it
+            continue
+        commands = {w["command"] for w in record["writers"]} if record else set()
+        if commands and commands <= set(TRAIN_COMMANDS):
+            raise UsageError(
+                f"{folder} is inside {parent}, a `tangentlens train` run whose files are "
+                "checked by content: choose an --out outside it"
+            )
+
+
 @contextmanager
 def lock_folder(folder: str | Path, command: str) -> Iterator[FolderLock]:
     """Hold ``folder`` for ``command`` as its one writer until the block ends.
@@ -207,10 +243,12 @@ def lock_folder(folder: str | Path, command: str) -> Iterator[FolderLock]:
     with a `UsageError`. Holding it again in the same process nests (the demo's steps).
     """
     folder = Path(folder).expanduser()
+    key = os.path.realpath(folder)
+    held = _HELD.get(key)
+    if held is None:
+        _check_nesting(folder, Path(key))
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        key = os.path.realpath(folder)
-        held = _HELD.get(key)
         fd = held.fd if held else _open_folder(folder)
     except OSError as err:
         reason = err.strerror or type(err).__name__

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM,
 
 from ..core.digests import tensor_hash
 from ..core.errors import CorruptFileError, MissingFileError, UsageError
-from ..core.files import check_safetensors, read_checked_json, read_json
+from ..core.files import check_safetensors, is_model_folder, read_checked_json, read_json
 from ..core.validation import check_window_fraction
 from ..models import loading as models
 from ..models.loading import TOKENIZER_FILES, check_model_folder, quiet_transformers
@@ -44,7 +44,6 @@ __all__ = [
 
 METADATA_FILE = "tangentlens.json"
 _STEP_NAMES = (re.compile(r"^step[-_]?(\d+)$"), re.compile(r"^checkpoint[-_](\d+)$"))
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 Loader = Callable[["Checkpoint"], tuple[Any, Any]]
 
@@ -284,9 +283,7 @@ class CheckpointSeries:
             step = parse_step(sub.name) if sub.is_dir() else None
             if step is None:
                 continue
-            if not (sub / "config.json").is_file() or not any(
-                (sub / f).is_file() for f in _WEIGHT_FILES
-            ):
+            if not is_model_folder(sub):
                 raise UsageError(
                     f"{sub} has no config.json or weights: an incomplete checkpoint; "
                     "delete it or finish writing it."
@@ -295,7 +292,8 @@ class CheckpointSeries:
             meta_path = sub / METADATA_FILE
             meta = {}
             if meta_path.is_file():
-                meta = read_checked_json(meta_path, fix="delete that checkpoint or the file")
+                fix = "delete that checkpoint folder and rerun the training that wrote it"
+                meta = read_checked_json(meta_path, fix=fix)
             found.append(Checkpoint(step, str(sub), None, meta))
         if not found:
             single = (root / "config.json").is_file()

@@ -23,7 +23,7 @@ from typing import Any
 from ..core.digests import content_sha256
 from ..core.errors import CorruptFileError, UsageError
 from ..core.files import RECORD_FILE, check_safetensors, read_checked_json, read_json
-from ..core.folders import lock_folder
+from ..core.folders import TRAIN_COMMANDS, lock_folder
 from .checkpoints import METADATA_FILE, CheckpointSeries
 from .corpus import text_sha256
 
@@ -40,13 +40,13 @@ __all__ = [
     "resumable",
     "start_over",
     "trained_to",
+    "unrecorded",
 ]
 
 CONFIG_FILE = "train_config.json"
 STATE_FILE = "train_state.safetensors"
 TOKENIZER_DIR = "tokenizer"
 INPUT_KEYS = ("corpus_sha256", "tokenizer_sha256")
-TRAIN_COMMANDS = ("train", "train --seeds")  # the records `start_over` may clear
 _STEP = re.compile(r"step\d+")
 _SEED = re.compile(r"seed\d+")
 RESTART = (  # the fixes every refusal of a resume names
@@ -102,6 +102,13 @@ def resumable(out: Path, steps: list[int]) -> bool:
     return step is None or not missing_steps(out, steps, step)
 
 
+def unrecorded(out: Path) -> list[Path]:
+    """The checkpoint folders of a training run without their record (`METADATA_FILE`):
+    every one the trainer writes has it, and without it nothing checks the weights, so
+    such a folder is rebuilt, never read."""
+    return [folder for folder in _steps(out) if not (folder / METADATA_FILE).is_file()]
+
+
 def check_inputs(out: Path, inputs: Mapping[str, str], corpus: str | None) -> None:
     """Refuse to resume ``out`` with a corpus or tokenizer other than the one its training
     state and checkpoints record (a record without these keys tells nothing). ``corpus``:
@@ -135,6 +142,12 @@ def check_finished(out: Path, inputs: Mapping[str, str], corpus: str | None) -> 
     weights, a truncated weights file, a damaged record): a rerun of `train` names the
     damage where a study would meet it later."""
     check_inputs(out, inputs, corpus)
+    bare = unrecorded(out)
+    if bare:
+        raise CorruptFileError(
+            f"{bare[0]} has no {METADATA_FILE}, the record of its weights' digest: delete that "
+            "checkpoint folder and rerun train with the same options to rebuild it"
+        )
     try:
         CheckpointSeries.from_folder(out)
     except (UsageError, CorruptFileError) as err:

@@ -349,7 +349,12 @@ def write_report(
             manifest = _read_json(folder / MANIFEST_FILE)
     if config is None and manifest:
         config = manifest.get("config")
-    table = prepare(full, rank=rank)
+    try:
+        table = prepare(full, rank=rank)
+    except UsageError as err:  # a folder's table: name it
+        if isinstance(source, pd.DataFrame):
+            raise
+        raise UsageError(f"{source}: {err}") from err
     description = _describe(table, ranks(frame(full)), extra)
     out = _target(out_path)
     figures_dir = out.parent / "figures" if figures_dir is None else Path(figures_dir)

@@ -112,7 +112,7 @@ def _check_target(target: str | Path, source: Path) -> Path:
     if page.is_dir() or str(target).endswith(("/", "\\")):
         raise UsageError(
             f"--out {target} is a folder; --out takes the HTML file to write, e.g. "
-            f"{page / 'report.html'}"
+            f"{page.with_name(page.name + '.html')}"
         )
     home = page.parent
     if home.resolve().is_relative_to(source.resolve()) and home.resolve() != source.resolve():
@@ -122,12 +122,13 @@ def _check_target(target: str | Path, source: Path) -> Path:
             f"write the page in {source} itself or outside it"
         )
     if home.resolve() != source.resolve():
-        other = [name for name in _RUN_MARKERS if (home / name).exists()]
-        if other:
-            raise UsageError(
-                f"--out {page}: {home} holds another run ({other[0]}); its report is that "
-                f"run's own (`tangentlens report {home}`): write this page elsewhere"
-            )
+        for folder in (home, *home.parents):  # a run's own folder, or one inside it
+            other = [name for name in _RUN_MARKERS if (folder / name).exists()]
+            if other:
+                raise UsageError(
+                    f"--out {page}: {folder} holds another run ({other[0]}); its report is "
+                    f"that run's own (`tangentlens report {folder}`): write this page elsewhere"
+                )
     return page
 
 

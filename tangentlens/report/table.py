@@ -67,13 +67,13 @@ def prepare(results: pd.DataFrame, *, rank: int | None = None) -> pd.DataFrame:
     for column in ("ci_low", "ci_high"):  # a table without intervals draws none
         if column not in t.columns:
             t = t.assign(**{column: np.nan})
-    _check_drawable(t)
     present = ranks(t)
     if rank is not None and rank not in present:
         raise UsageError(f"the table has no rows of rank {rank}; it holds ranks {present}.")
     if present:
         chosen = present[0] if rank is None else rank
         t = select(t, rank=[None, chosen])
+    _check_drawable(t)  # what the figures draw: the rows of the chosen rank
     return t
 
 
@@ -87,13 +87,17 @@ def _check_drawable(t: pd.DataFrame) -> None:
     singular transform inside matplotlib, not a page."""
     values = t[["value", "ci_low", "ci_high"]].apply(pd.to_numeric, errors="coerce")
     huge = values.abs().gt(_DRAWABLE).any(axis=1).to_numpy()
-    if huge.any():
-        first = t[huge].iloc[0]
-        raise UsageError(
-            f"the table's {first['statistic']} at {first['hook']} is beyond ±{_DRAWABLE:.0e} "
-            "(or its interval is), which no statistic of the tool reaches and no figure can "
-            "draw: re-create the table with `tangentlens study` or `tangentlens probe`."
-        )
+    # a p-value's axis is logarithmic: one outside [0, 1] is no p-value
+    p_values = t["statistic"].astype(str).str.contains(r"(?:^|_)p_value(?:$|_)").to_numpy()
+    outside = p_values & ~values["value"].between(0, 1).to_numpy() & values["value"].notna()
+    for bad, what in ((huge, f"beyond ±{_DRAWABLE:.0e}"), (outside, "outside [0, 1]")):
+        if bad.any():
+            first = t[bad].iloc[0]
+            raise UsageError(
+                f"the table's {first['statistic']} at {first['hook']} is {what}, which no "
+                "statistic of the tool reaches and no figure can draw: re-create the table "
+                "with `tangentlens study` or `tangentlens probe`."
+            )
 
 
 def pick(
