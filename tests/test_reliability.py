@@ -116,6 +116,14 @@ def _series_copy(w: Path, tmp: Path) -> Path:
     return folder
 
 
+def _steps_only(w: Path, tmp: Path) -> Path:
+    """The series' checkpoints copied without the trainer's files (its 32 positions
+    unknown to a study, which takes 64 tokens a sequence unless told)."""
+    for step in (w / "series").glob("step*"):
+        shutil.copytree(step, tmp / "copied" / step.name)
+    return tmp / "copied"
+
+
 def _truncate(path: Path, keep: int = 2000) -> None:
     path.write_bytes(path.read_bytes()[:keep])
 
@@ -338,6 +346,9 @@ CLI_CASES: dict[str, Case] = {
     "study into a checkpoint of its own series": lambda w, t: (
         ["study", "--checkpoints", str(_series_copy(w, t)), "--out", str(t / "series" / "step8"),
          *STUDY], ("--out", "step8", "model folder")),
+    "study of copied checkpoints with a short context": lambda w, t: (
+        ["study", "--checkpoints", str(_steps_only(w, t)), "--out", str(t / "o"), *STUDY],
+        ("--seq-len", "positions")),
     "train --seed -1": lambda w, t: (
         ["train", "--quick", "--out", str(t / "o"), "--seed", "-1"], ("seed", "[0, ")),
     "study --seed -1": lambda w, t: (_study_again(w, t / "o", "--seed", "-1"), ("seed",)),
@@ -505,6 +516,14 @@ def test_hostile_cli_case(
         line = _error(argv, capsys)
     for needle in needles:
         assert needle in line, f"{name}: {line!r} lacks {needle!r}"
+
+
+def test_a_study_takes_the_seq_len_it_is_given(world: Path, tmp_path: Path) -> None:
+    """Checkpoints copied out of their training run fit a study once --seq-len does."""
+    out = tmp_path / "o"
+    argv = ["study", "--checkpoints", str(_steps_only(world, tmp_path)), "--out", str(out)]
+    assert main([*argv, "--seq-len", "16", *STUDY]) == 0
+    assert json.loads((out / "manifest.json").read_text())["config"]["seq_len"] == 16
 
 
 # ----------------------------------------------------------------------------- API cases

@@ -222,6 +222,7 @@ STUDY_OPTIONS = {  # CLI dest -> StudyConfig field
     "early": "early",
     "late": "late",
     "sequences": "n_sequences",
+    "seq_len": "seq_len",
     "corpus": "corpus",
     "encoding": "encoding",
     "seed": "seed",

@@ -163,6 +163,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         early=args.early,
         late=args.late,
         n_sequences=args.sequences,
+        seq_len=args.seq_len,
         corpus=args.corpus,
         encoding=args.encoding,
         seed=args.seed,
@@ -385,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         type=arg.positive_int,
         help=_help(STUDY.n_sequences, quick=QUICK_STUDY["n_sequences"]),
+    )
+    study.add_argument(
+        "--seq-len",
+        metavar="N",
+        type=arg.positive_int,
+        help=_help(STUDY.seq_len, trainer="seq_len"),
     )
     study.add_argument(
         "--corpus", metavar="FILE", type=arg.path, help=_help(STUDY.corpus, trainer="corpus")

@@ -139,6 +139,7 @@ class StudySettings:
     early: Setting = Setting(None, "early steps", shown="the first --window-fraction")
     late: Setting = Setting(None, "late steps", shown="the last --window-fraction")
     n_sequences: Setting = Setting(256, "probe set, in sequences")
+    seq_len: Setting = Setting(64, "tokens per probe sequence, at most the model's context")
     corpus: Setting = TEXT
     encoding: Setting = ENCODING
     seed: Setting = SEED

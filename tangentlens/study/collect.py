@@ -274,6 +274,7 @@ def collect_part(
         source=ckpt.source,
         fix="the tokenizer does not fit the model; save the model's own tokenizer with the "
         "checkpoints",
+        what="the probe set (StudyConfig.seq_len, --seq-len)",
     )
     available = set(backend.sites())
     sites = [s for s in _study_sites(cfg.sites, n_layers) if s in available]

@@ -69,7 +69,7 @@ class StudyConfig:
     zeta: float = ZETA.default
     seed: int = STUDY.seed.default
     n_sequences: int = STUDY.n_sequences.default  # 16,384 tokens at seq_len 64: stable bases
-    seq_len: int = 64
+    seq_len: int = STUDY.seq_len.default
     batch_size: int = 16
     n_groups: int = 8  # groups of probe batches for the jackknife intervals over tokens
     probe_fraction: float = 0.05
