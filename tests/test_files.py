@@ -4,6 +4,7 @@ results tables checked against what their writer recorded."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -18,7 +19,14 @@ import pytest
 from tangentlens.cli import main
 from tangentlens.core import results
 from tangentlens.core.errors import CorruptFileError, MissingFileError, UsageError
-from tangentlens.core.files import LOCK_FILE, RECORD_FILE, atomic_folder, read_json, write_text
+from tangentlens.core.files import (
+    LOCK_FILE,
+    RECORD_FILE,
+    atomic_folder,
+    atomic_write,
+    read_json,
+    write_text,
+)
 from tangentlens.core.folders import lock_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,3 +339,11 @@ def test_a_failed_write_names_the_file_it_makes_not_its_temporary(tmp_path: Path
         atomic_folder(tmp_path / "step4", lambda tmp: (tmp / "x").write_text("x"))
     assert err.value.filename == str(tmp_path / "step4")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing left
+
+    def full(tmp: Path) -> None:  # a write that fails as a full disk does: no file named
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError) as err:
+        atomic_write(tmp_path / "figure.png", full)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "figure.png")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

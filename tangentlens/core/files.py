@@ -125,7 +125,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
         os.close(fd)
         break
     try:
-        _fill(path, tmp_path, write)
+        with _naming(path):  # a write that fails (a full disk) names the file, not the call
+            _fill(path, tmp_path, write)
         if stat.S_IMODE(os.stat(tmp_path).st_mode) != mode:
             os.chmod(tmp_path, mode)
         with open(tmp_path, "rb") as fh:
