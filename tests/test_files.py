@@ -347,3 +347,18 @@ def test_a_failed_write_names_the_file_it_makes_not_its_temporary(tmp_path: Path
         atomic_write(tmp_path / "figure.png", full)
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "figure.png")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+    def reads(tmp: Path) -> None:  # a file of its own that is missing: named as it is
+        (tmp_path / "absent" / "source.txt").read_text()
+
+    with pytest.raises(FileNotFoundError) as err:
+        atomic_write(tmp_path / "copy.txt", reads)
+    assert err.value.filename == str(tmp_path / "absent" / "source.txt")
+    for raised in (OSError("a library's own words"), MissingFileError("ours, as it was")):
+
+        def fails(tmp: Path, raised: OSError = raised) -> None:
+            raise raised
+
+        with pytest.raises(OSError) as err:
+            atomic_write(tmp_path / "x.txt", fails)
+        assert err.value is raised

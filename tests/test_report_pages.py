@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_report import one_checkpoint, synthetic_results, with_windows
 
@@ -138,7 +139,10 @@ def test_report_out_writes_only_its_page_and_figure_folder(
 
 
 def test_report_out_refuses_what_it_did_not_make(
-    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+    folders: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Another run's folder, a figure folder it did not make, and one of its figures that
     someone changed: one line naming it, exit 2, nothing touched."""
@@ -147,8 +151,21 @@ def test_report_out_refuses_what_it_did_not_make(
     before = _snapshot(other)
     for page in (other / "page.html", other / "bases" / "page.html"):  # or a folder in it
         line = _error(["report", study, "--out", str(page)], capsys)
-        assert str(other) in line and "another run" in line
+        assert str(other) in line and "run" in line
     assert _snapshot(other) == before and not (other / "bases").exists()
+    (other / "figures").mkdir()  # reached through a link, or from inside it
+    (tmp_path / "link").symlink_to(other / "figures")
+    line = _error(["report", study, "--out", str(tmp_path / "link" / "p.html")], capsys)
+    assert str(other) in line
+    monkeypatch.chdir(other / "figures")
+    assert str(other) in _error(["report", study, "--out", "p.html"], capsys)
+    assert not any((other / "figures").iterdir())
+    # a file named like a run's below a project is no run: pages below it are written
+    project = tmp_path / "project"
+    (project / "docs").mkdir(parents=True)
+    (project / "manifest.json").write_text("{}")
+    assert main(["report", study, "--out", str(project / "docs" / "st.html"), "-q"]) == 0
+    assert "is a folder" in _error(["report", study, "--out", "."], capsys)
 
     out = tmp_path / "pages"
     (out / "page_files").mkdir(parents=True)
@@ -224,3 +241,8 @@ def test_values_no_figure_can_draw_are_one_line(
     results.write(table.assign(value=table["value"].where(~p_value, -0.5)), folder)
     line = _error(["report", str(folder), "-q"], capsys)
     assert "p_value" in line and "[0, 1]" in line
+    # inf is a value some statistics take on purpose (a ratio over 0): drawn without it
+    ratio = table["statistic"] == "energy_ratio"
+    assert ratio.any()
+    results.write(table.assign(value=table["value"].where(~ratio, np.inf)), folder)
+    assert main(["report", str(folder), "-q"]) == 0

@@ -191,7 +191,8 @@ class DepthProfile:
             joint = self._pick(self.site, stat, probe)
             for p, layer in pairwise(per_layer.index.tolist()):
                 now, before = per_layer.loc[layer], per_layer.loc[p]
-                value = now["value"] / before["value"] if before["value"] else math.nan
+                ratio = float(now["value"]), float(before["value"])  # inf / inf: nan, quietly
+                value = ratio[0] / ratio[1] if ratio[1] else math.nan
                 if layer in joint.index and math.isclose(
                     joint.loc[layer, "value"], value, rel_tol=1e-4
                 ):

@@ -176,6 +176,9 @@ def _naming(path: Path) -> Iterator[None]:
     try:
         yield
     except OSError as err:
+        renamable = err.filename is None or Path(str(err.filename)).name.startswith(".")
+        if err.errno is None or type(err).__module__ != "builtins" or not renamable:
+            raise  # no errno to keep, one of ours, or naming a file of its own: as it is
         raise type(err)(err.errno, err.strerror, str(path)) from None
 
 

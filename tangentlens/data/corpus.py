@@ -263,7 +263,8 @@ def token_batches(
         corpus = "the corpus" if source is None else f"the corpus {source}"
         raise UsageError(
             f"{corpus} has {ids.numel()} tokens, too few for two blocks of {seq_len}; use a "
-            "larger corpus (or, from Python, a smaller seq_len)."
+            "larger corpus (or a smaller seq_len: `tangentlens study --seq-len`, "
+            "TrainConfig.seq_len)."
         )
     blocks = ids[: n_blocks * seq_len].view(n_blocks, seq_len)
     perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed))

@@ -152,8 +152,8 @@ def check_finished(out: Path, inputs: Mapping[str, str], corpus: str | None) -> 
         CheckpointSeries.from_folder(out)
     except (UsageError, CorruptFileError) as err:
         raise type(err)(
-            f"{err} (delete that checkpoint folder and rerun train with the same options to "
-            "rebuild it)"
+            f"{err} In a training run the simplest fix is to delete that checkpoint folder "
+            "and rerun train with the same options, which rebuilds it."
         ) from err
 
 

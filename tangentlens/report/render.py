@@ -30,6 +30,7 @@ from ..core.files import (
     write_json,
 )
 from ..core.folders import lock_folder
+from ..core.results import META_SUFFIX
 from .claims import Claim
 from .figures import FIGURES
 from .page import (
@@ -110,9 +111,10 @@ def _check_page(page: Path, folder: Path) -> None:
 def _check_target(target: str | Path, source: Path) -> Path:
     page = Path(target).expanduser()
     if page.is_dir() or str(target).endswith(("/", "\\")):
+        named = page.resolve()
+        example = named.with_name(named.name + ".html") if named.name else named / "page.html"
         raise UsageError(
-            f"--out {target} is a folder; --out takes the HTML file to write, e.g. "
-            f"{page.with_name(page.name + '.html')}"
+            f"--out {target} is a folder; --out takes the HTML file to write, e.g. {example}"
         )
     home = page.parent
     if home.resolve().is_relative_to(source.resolve()) and home.resolve() != source.resolve():
@@ -122,12 +124,17 @@ def _check_target(target: str | Path, source: Path) -> Path:
             f"write the page in {source} itself or outside it"
         )
     if home.resolve() != source.resolve():
-        for folder in (home, *home.parents):  # a run's own folder, or one inside it
-            other = [name for name in _RUN_MARKERS if (folder / name).exists()]
-            if other:
+        other = [name for name in _RUN_MARKERS if (home / name).exists()]
+        if other:
+            raise UsageError(
+                f"--out {page}: {home} holds another run ({other[0]}); its report is that "
+                f"run's own (`tangentlens report {home}`): write this page elsewhere"
+            )
+        for folder in home.resolve().parents:  # a folder inside a run: its commands' own
+            if (folder / RECORD_FILE).is_file() or (folder / f"results{META_SUFFIX}").is_file():
                 raise UsageError(
-                    f"--out {page}: {folder} holds another run ({other[0]}); its report is "
-                    f"that run's own (`tangentlens report {folder}`): write this page elsewhere"
+                    f"--out {page} is inside {folder}, the folder of a tangentlens run, which "
+                    "its commands rewrite: write this page elsewhere"
                 )
     return page
 

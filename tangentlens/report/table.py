@@ -83,10 +83,11 @@ _DRAWABLE = 1e150
 
 
 def _check_drawable(t: pd.DataFrame) -> None:
-    """Refuse values no figure can draw: an axis whose span overflows float64 is a
-    singular transform inside matplotlib, not a page."""
+    """Refuse finite values no figure can draw (an axis whose span overflows float64 is a
+    singular transform inside matplotlib, not a page) and p-values outside [0, 1]."""
     values = t[["value", "ci_low", "ci_high"]].apply(pd.to_numeric, errors="coerce")
-    huge = values.abs().gt(_DRAWABLE).any(axis=1).to_numpy()
+    # inf is a value some statistics take on purpose (a ratio over 0), and figures skip it
+    huge = (values.abs().gt(_DRAWABLE) & np.isfinite(values)).any(axis=1).to_numpy()
     # a p-value's axis is logarithmic: one outside [0, 1] is no p-value
     p_values = t["statistic"].astype(str).str.contains(r"(?:^|_)p_value(?:$|_)").to_numpy()
     outside = p_values & ~values["value"].between(0, 1).to_numpy() & values["value"].notna()
