@@ -34,13 +34,13 @@ __all__ = [
     "TOKENIZER_DIR",
     "check_finished",
     "check_inputs",
+    "check_recorded",
     "inputs_digest",
     "is_started",
     "missing_steps",
     "resumable",
     "start_over",
     "trained_to",
-    "unrecorded",
 ]
 
 CONFIG_FILE = "train_config.json"
@@ -102,11 +102,17 @@ def resumable(out: Path, steps: list[int]) -> bool:
     return step is None or not missing_steps(out, steps, step)
 
 
-def unrecorded(out: Path) -> list[Path]:
-    """The checkpoint folders of a training run without their record (`METADATA_FILE`):
-    every one the trainer writes has it, and without it nothing checks the weights, so
-    such a folder is rebuilt, never read."""
-    return [folder for folder in _steps(out) if not (folder / METADATA_FILE).is_file()]
+def check_recorded(out: Path) -> None:
+    """Refuse a training run with a checkpoint folder that lacks its record
+    (`METADATA_FILE`): every one the trainer writes has it, and without it nothing checks
+    the weights, so such a folder is rebuilt, never read."""
+    bare = [folder for folder in _steps(out) if not (folder / METADATA_FILE).is_file()]
+    if bare:
+        raise CorruptFileError(
+            f"{bare[0]} has no {METADATA_FILE}, the record of its weights' digest: delete that "
+            "checkpoint folder and rerun train (`tangentlens train`) with the same options, "
+            "which rebuilds it"
+        )
 
 
 def check_inputs(out: Path, inputs: Mapping[str, str], corpus: str | None) -> None:
@@ -142,12 +148,7 @@ def check_finished(out: Path, inputs: Mapping[str, str], corpus: str | None) -> 
     weights, a truncated weights file, a damaged record): a rerun of `train` names the
     damage where a study would meet it later."""
     check_inputs(out, inputs, corpus)
-    bare = unrecorded(out)
-    if bare:
-        raise CorruptFileError(
-            f"{bare[0]} has no {METADATA_FILE}, the record of its weights' digest: delete that "
-            "checkpoint folder and rerun train with the same options to rebuild it"
-        )
+    check_recorded(out)
     try:
         CheckpointSeries.from_folder(out)
     except (UsageError, CorruptFileError) as err:

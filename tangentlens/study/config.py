@@ -27,8 +27,8 @@ from ..core.validation import (
     is_int,
     is_seed,
 )
-from ..data.checkpoints import METADATA_FILE, CheckpointSeries
-from ..data.resume import CONFIG_FILE, trained_to, unrecorded
+from ..data.checkpoints import CheckpointSeries
+from ..data.resume import CONFIG_FILE, check_recorded, trained_to
 from ..data.train import TrainConfig
 from ..hooks.sites import RESIDUAL_KINDS
 from ..models.loading import is_hub_id
@@ -264,12 +264,7 @@ def open_series(source: str) -> Any:
     if config is not None:  # a `tangentlens train` folder: its schedule is known
         upto = max(series.steps[-1], trained_to(path) or 0)  # what its training wrote
         gone = [s for s in config.steps if s <= upto and s not in series.steps]
-        bare = unrecorded(path)
-        if bare:
-            raise UsageError(
-                f"{bare[0]} has no {METADATA_FILE}, the record of its weights' digest: delete "
-                "that checkpoint folder and rerun `tangentlens train` with the same options"
-            )
+        check_recorded(path)
         if gone:
             raise UsageError(
                 f"{path} lacks the checkpoints of steps {gone}, which its training wrote; "
