@@ -299,3 +299,35 @@ def test_masked_resume_after_an_interrupt_matches_uninterrupted_run(masked_run, 
     assert [m["eval_loss"] for m in _metadata(out)] == [
         m["eval_loss"] for m in _metadata(masked_run)
     ]
+
+
+def test_a_resume_refuses_changed_weights_in_the_checkpoint_it_resumes_from(tiny_run, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    class Interrupted(Exception):
+        pass
+
+    checkpoint = train_module._checkpoint
+
+    def interrupt_after_step8(out, step, *args):
+        checkpoint(out, step, *args)
+        if step == 8:
+            raise Interrupted
+
+    cfg, out = TrainConfig.tiny(), tmp_path / "interrupted"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_module, "_checkpoint", interrupt_after_step8)
+        with pytest.raises(Interrupted):
+            train(cfg, out, progress=False)
+    weights = out / "step8" / "model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] += 1.0  # a valid file, other weights
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(CorruptFileError, match="step8") as err:
+        train(cfg, out, progress=False)
+    assert "weights_hash" in str(err.value) and "rerun" in str(err.value)
+    assert not (out / f"step{cfg.max_steps}").exists()  # nothing trained on from them
+    shutil.rmtree(out / "step8")  # the fix the message names: rebuilt from step 0
+    train(cfg, out, progress=False)
+    assert _hashes(out) == _hashes(tiny_run)

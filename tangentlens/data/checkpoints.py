@@ -29,10 +29,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM,
 
 from ..core.digests import tensor_hash
 from ..core.errors import CorruptFileError, MissingFileError, UsageError
-from ..core.files import check_safetensors, is_model_folder, read_checked_json, read_json
+from ..core.files import check_safetensors, is_model_folder, read_checked_json
 from ..core.validation import check_window_fraction
 from ..models import loading as models
-from ..models.loading import TOKENIZER_FILES, check_model_folder, quiet_transformers
+from ..models.loading import (
+    TOKENIZER_FILES,
+    check_model_folder,
+    quiet_transformers,
+    safetensors_files,
+)
 
 __all__ = [
     "Checkpoint",
@@ -106,14 +111,8 @@ class LoadedCheckpoint:
 def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
     """Parameter shapes from safetensors headers (no weights read; each file checked whole),
     or None if unknown."""
-    single = folder / "model.safetensors"
-    index = folder / "model.safetensors.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        weight_map = read_json(index, dict, fix="restore the model folder")["weight_map"]
-        files = [folder / f for f in sorted(set(weight_map.values()))]
-    else:
+    files = safetensors_files(folder)
+    if not files:
         return None
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:

@@ -20,9 +20,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.digests import content_sha256
+from ..core.digests import content_sha256, tensor_hash
 from ..core.errors import CorruptFileError, UsageError
-from ..core.files import RECORD_FILE, check_safetensors, read_checked_json, read_json
+from ..core.files import (
+    RECORD_FILE,
+    check_safetensors,
+    load_tensors,
+    read_checked_json,
+    read_json,
+)
 from ..core.folders import TRAIN_COMMANDS, lock_folder
 from .checkpoints import METADATA_FILE, CheckpointSeries
 from .corpus import text_sha256
@@ -37,6 +43,7 @@ __all__ = [
     "check_recorded",
     "inputs_digest",
     "is_started",
+    "load_resumed",
     "missing_steps",
     "resumable",
     "start_over",
@@ -100,6 +107,28 @@ def resumable(out: Path, steps: list[int]) -> bool:
         return False
     step = trained_to(out)
     return step is None or not missing_steps(out, steps, step)
+
+
+def load_resumed(folder: Path, model: Any) -> None:
+    """Load the checkpoint a training state resumes from into ``model`` and check its
+    weights against the ``weights_hash`` its record holds: training on from changed
+    weights would carry the change into every later checkpoint, each recorded as sound."""
+    weights, _ = load_tensors(folder / "model.safetensors")
+    result = model.load_state_dict(weights, strict=False)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # not saved
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        raise UsageError(
+            f"{folder} does not match this config's model; "
+            "delete the output folder or pass the config it was trained with."
+        )
+    fix = "delete that checkpoint folder and rerun train with the same options, which rebuilds it"
+    recorded = read_checked_json(folder / METADATA_FILE, fix=fix).get("weights_hash")
+    if tensor_hash(model.state_dict()) != recorded:
+        raise CorruptFileError(
+            f"{folder / 'model.safetensors'} holds other weights than the weights_hash its "
+            f"{METADATA_FILE} records (changed or damaged), so training cannot resume from "
+            f"it: {fix}."
+        )
 
 
 def check_recorded(out: Path) -> None:

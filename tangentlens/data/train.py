@@ -74,6 +74,7 @@ from .resume import (
     check_inputs,
     inputs_digest,
     is_started,
+    load_resumed,
     missing_steps,
     resumable,
     start_over,
@@ -534,14 +535,7 @@ def _resume(out: Path, model: Any, opt: torch.optim.Optimizer) -> int:
     tensors, meta = load_tensors(path)
     try:
         start = int(meta["step"])
-        weights, _ = load_tensors(out / f"step{start}" / "model.safetensors")
-        result = model.load_state_dict(weights, strict=False)
-        tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # not saved
-        if result.unexpected_keys or set(result.missing_keys) - tied:
-            raise UsageError(
-                f"{out / f'step{start}'} does not match this config's model; "
-                "delete the output folder or pass the config it was trained with."
-            )
+        load_resumed(out / f"step{start}", model)
         _load_optimizer(opt, tensors, json.loads(meta["optimizer"]))
         torch.set_rng_state(tensors["rng"])
     except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as err:

@@ -329,7 +329,7 @@ def check_model_folder(folder: Path, *, tokenizer: bool = True) -> None:
         )
     for path in (folder / name for name in _SETTINGS_FILES if (folder / name).is_file()):
         read_json(path, dict, fix="restore the model folder")
-    weights = _safetensors_files(folder)
+    weights = safetensors_files(folder)
     if not weights:
         pickled = sorted(f.name for f in folder.iterdir() if f.suffix in _PICKLE_SUFFIXES)
         if pickled:
@@ -351,7 +351,7 @@ def check_model_folder(folder: Path, *, tokenizer: bool = True) -> None:
         )
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def safetensors_files(folder: Path) -> list[Path]:
     """The safetensors weight files of a model folder (one file, or the shards an index
     names); a damaged index or a missing shard is a `CorruptFileError`."""
     single = folder / "model.safetensors"
