@@ -2,10 +2,10 @@
 
     python examples/nnsight_probe.py [--fast]
 
-`tangentlens.probe` dispatches on the model type, so the code is the one you
-would write for TransformerLens. `trace_moments` reduces activations to
-sufficient statistics *inside* an nnsight trace, so a `remote=True` (NDIF) run
-sends back Moments (count, sum, Gram), never activations.
+`tangentlens.probes.run` (like `tangentlens.probe`) dispatches on the model type, so
+the code is the one you would write for TransformerLens. `trace_moments` reduces
+activations to sufficient statistics *inside* an nnsight trace, so a `remote=True`
+(NDIF) run sends back Moments (count, mean and scatter), never activations.
 """
 
 from _common import model_name, parse_args, token_batches

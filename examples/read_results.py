@@ -1,6 +1,6 @@
 """Reading a study's results table with pandas.
 
-    python examples/read_results.py RESULTS_DIR
+    python examples/read_results.py [STUDY_DIR]   # default: the demo's runs/demo/decoder/seed0
 
 One long table: checkpoint, step, window, rank, layer, head, site, probe,
 statistic, value (+ ci_low, ci_high). Pivot it however the question needs.
@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pandas as pd
 
-results_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/demo/study")
+results_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/demo/decoder/seed0")
 df = pd.read_csv(results_dir / "results.csv")
 
 # Gradient energy ratio of Q_T per layer, early vs late window.
 ratio = df[df.statistic == "energy_ratio"]
 print(ratio.pivot_table(index="layer", columns="window", values="value", aggfunc="mean"))
 
-# Fraction of (checkpoint, layer) pairs where Q_T beats every control (p at its floor).
+# How often Q_T's gradient energy beats the normal controls at the 1 % level: a p-value
+# floors at 1/(n_controls + 1), recorded in the study's manifest.json.
 p = df[df.statistic == "p_value"]
 print(f"p-values: median {p.value.median():.4f}, share <= 0.01: {(p.value <= 0.01).mean():.2f}")
 

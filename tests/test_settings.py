@@ -223,6 +223,7 @@ STUDY_OPTIONS = {  # CLI dest -> StudyConfig field
     "late": "late",
     "sequences": "n_sequences",
     "seq_len": "seq_len",
+    "head_sequences": "head_sequences",
     "corpus": "corpus",
     "encoding": "encoding",
     "seed": "seed",
@@ -279,6 +280,17 @@ def test_study_quick(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for dest, name in (("n_controls", "n_controls"), ("sequences", "n_sequences")):
         text = " ".join(_help("study", dest).split())
         assert f"; {settings.QUICK_STUDY[name]} with --quick)" in text
+
+
+def test_the_demos_study_is_the_flags_the_readme_names(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    flags = ["--early", "0:8", "--sequences", "128", "--head-sequences", "4"]
+    got = _study_call(flags, monkeypatch, tmp_path)
+    for name, value in settings.DEMO_STUDY.items():
+        assert getattr(got["config"], name) == value
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    assert " ".join(flags) in " ".join(readme.read_text(encoding="utf-8").split())
 
 
 # ----------------------------------------------------------------------------- demo, report

@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..core.errors import UsageError
-from ..core.validation import check_seed, check_seeds, check_seq_len, check_window_fraction
+from ..core.validation import (
+    check_int,
+    check_seed,
+    check_seeds,
+    check_seq_len,
+    check_window_fraction,
+)
 
 __all__ = [
     "checked",
     "fraction",
+    "head_sequences",
     "layer",
     "path",
     "positive_int",
@@ -69,6 +77,7 @@ def checked(
 
 
 seq_len = checked(int, check_seq_len, "--seq-len")
+head_sequences = checked(int, partial(check_int, minimum=0), "--head-sequences")
 seed = checked(int, check_seed, "--seed")
 fraction = checked(float, check_window_fraction, "--window-fraction")
 

@@ -164,6 +164,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         late=args.late,
         n_sequences=args.sequences,
         seq_len=args.seq_len,
+        head_sequences=args.head_sequences,
         corpus=args.corpus,
         encoding=args.encoding,
         seed=args.seed,
@@ -392,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         type=arg.positive_int,
         help=_help(STUDY.seq_len, trainer="seq_len"),
+    )
+    study.add_argument(
+        "--head-sequences",
+        metavar="N",
+        type=arg.head_sequences,
+        help=_help(STUDY.head_sequences),
     )
     study.add_argument(
         "--corpus", metavar="FILE", type=arg.path, help=_help(STUDY.corpus, trainer="corpus")

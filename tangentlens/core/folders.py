@@ -60,7 +60,7 @@ class FolderLock:
         command and configuration; a record of another configuration is replaced only
         while none of ``results`` exists (a run that failed before computing anything).
         A folder without a record may hold none of ``outputs`` unless ``adopt()`` accepts
-        them (a folder of this command from before records; it may raise its own
+        them (a folder this command wrote without a record; it may raise its own
         `UsageError`). A command run inside another one of this process that already
         claimed the folder (the demo's steps) adds itself to that record.
         """

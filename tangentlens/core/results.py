@@ -8,7 +8,7 @@ column        dtype     meaning
 tag           str       a session's label (`ProbeSession.tag`)
 checkpoint    str       study: checkpoint name (``step{N}``)
 step          Int64     study: training step
-window        str       study: ``early``, ``middle`` or ``late``
+window        str       study: ``early``, ``middle``, ``late`` or ``late-early``
 rank          Int64     study: rank k of Q_T
 probe         str       ``residual``, ``gradient``, ``attention``, ``activation``,
                         ``embedding``, ``checkpoint``, ...

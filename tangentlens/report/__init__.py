@@ -3,7 +3,7 @@ long results table (`tangentlens.core.results`).
 
 >>> from tangentlens import report
 >>> report.write_report("runs/study", "runs/study/report.html")   # a study's folder
->>> fig = report.plot_depth_profile(session.results())
+>>> fig = report.plot_depth_profile(session.results())  # a `tangentlens.probe` session
 """
 
 from .claims import Claim, Estimate

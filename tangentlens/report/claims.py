@@ -266,9 +266,9 @@ class Claim:
         late = self.numbers().get("late")
         if self.name == "energy_late" and late is not None:
             text += f"; late {late}"
-        if self.name == "frequency":
+        if self.name == "frequency":  # the claim's own centre first, each named
             others = [f"{k} {v}" for k, v in self.numbers().items() if k != "last" and v]
-            text += "".join(f"; {o}" for o in others)
+            text = f"weighted {text}" + "".join(f"; {o}" for o in others)
         if self.name == "encoders_weaker":  # decoder − encoder, then each model's own
             if self.between is None:  # one seed each: no interval for the difference
                 text = f"{self.estimate.value:.3g}"

@@ -1,7 +1,7 @@
 """The paper's experiment over a checkpoint series: config, collection, analysis.
 
 >>> from tangentlens.study import Study, StudyConfig
->>> frame = Study(StudyConfig(checkpoints="runs/demo")).run("runs/demo-study")
+>>> frame = Study(StudyConfig(checkpoints="runs/train")).run("runs/study")  # a `train` folder
 """
 
 from .config import StudyConfig, open_series

@@ -57,7 +57,7 @@ class StudyConfig:
     weight_gradient: bool = True  # Σ G Gᵀ of the maps reading attn_in / mlp_in (the paper's)
     # registered probes run on every checkpoint with Q_T (`tangentlens.study.probe_pass`)
     probes: tuple[str, ...] = ("attention",)
-    head_sequences: int = 8  # probe sequences behind that pass (0: no pass, no heads)
+    head_sequences: int = STUDY.head_sequences.default  # behind that pass (0: no pass, no heads)
     head_null: int = HEAD_NULL.default  # normal frames behind each head share's null (0: none)
     rank: int | tuple[int, ...] = STUDY.rank.default
     window_fraction: float = STUDY.window_fraction.default

@@ -226,7 +226,7 @@ def _prepare_out_dir(cfg: StudyConfig, out: Path, lock: FolderLock) -> None:
     mine = json.loads(json.dumps({k: v for k, v in cfg.to_dict().items() if k != "progress"}))
 
     def study_folder() -> bool:
-        """A folder without a record, from before records: a study's (its own files, and a
+        """A folder without a record: a study's (its own files, and a
         study's manifest if any) and, once parts exist, of this configuration (by
         study_config.json). Its parts and probe set are verified file by file later."""
         if not any((out / name).exists() for name in (CONFIG_FILE, PROBE_FILE, "parts")):
