@@ -28,7 +28,7 @@ from ..core import results
 from ..core.decompose import AttentionParams
 from ..core.errors import UsageError
 from ..core.subspace import TangentBasis, uniform_controls
-from ..core.validation import check_int
+from ..core.validation import check_int, check_layers
 from ..hooks.base import Backend, get_backend
 from ..hooks.sites import NamesFilter, Site, select_sites
 from ..models.batches import as_batches, unpack_batch, vocabulary_size
@@ -438,7 +438,7 @@ def head_effects(
         True
     """
     batches, metric, backend, by_site = _setup(model, batches, bases, part, n_null, metric)
-    wanted = range(backend.n_layers) if layers is None else layers
+    wanted = check_layers(layers, backend.n_layers)
     sites = [Site(layer, "attn_in") for layer in wanted if Site(layer, "attn_in") in by_site]
     if not sites:
         raise UsageError(

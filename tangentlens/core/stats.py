@@ -197,7 +197,8 @@ class SharedBatch:
     """`batch_statistics` of the last tensor seen, reused when the next call sees the same
     memory: a TransformerLens bridge's ``resid_post`` of layer l and ``resid_pre`` of layer
     l + 1 are views of one tensor. A reference to that tensor is held, so its address
-    cannot be reused while the entry lives; in-place edits bump ``_version`` and miss."""
+    cannot be reused while the entry lives; in-place edits bump ``_version`` and miss. An
+    inference tensor (`torch.inference_mode`) has no version, so it never hits."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -207,10 +208,12 @@ class SharedBatch:
     @staticmethod
     def key_of(t: Tensor | None) -> tuple | None:
         """Identity of a tensor's contents while a reference to it is held: address,
-        layout, dtype, device and in-place version."""
+        layout, dtype, device and in-place version (for an inference tensor, which has
+        none, a key equal to no other)."""
         if t is None:
             return None
-        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
+        version = object() if t.is_inference() else t._version
+        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, version)
 
     def __call__(
         self, x: Tensor, mask: Tensor | None = None, *, fast: bool = False

@@ -112,16 +112,18 @@ def check_limits(config: Any, prefix: str) -> None:
 
 def check_layers(layers: Any, n_layers: int, name: str = "layers") -> list[int]:
     """Sorted distinct layer indices of a model with ``n_layers`` layers, from None (all),
-    one int or an iterable of ints; a bool is no layer index (``layers=True`` would
-    otherwise mean layer 1)."""
+    one int or a non-empty iterable of ints; a bool is no layer index (``layers=True`` would
+    otherwise mean layer 1), and an empty list would probe nothing."""
     if layers is None:
         return list(range(n_layers))
     if isinstance(layers, str) or not (is_int(layers) or isinstance(layers, Iterable)):
         raise UsageError(f"{name} must be None, an int or a list of ints; got {layers!r}.")
     chosen = [layers] if is_int(layers) else list(layers)
     bad = [layer for layer in chosen if not is_int(layer) or not 0 <= layer < n_layers]
+    every = f"leave {name} out" if name.startswith("--") else f"pass {name}=None"
+    if not chosen:
+        raise UsageError(f"{name} names no layer: name at least one, or {every} for all.")
     if bad:
-        every = f"leave {name} out" if name.startswith("--") else f"pass {name}=None"
         raise UsageError(
             f"{name} {bad} do not exist: this model has layers 0..{n_layers - 1} (ints, not "
             f"bools); {every} for all."

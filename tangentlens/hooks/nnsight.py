@@ -267,6 +267,11 @@ def _reduce(x: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
     """count, mean and centred scatter (float64) of the rows of ``x`` where ``mask``."""
     rows = x.detach().reshape(-1, x.shape[-1])
     if mask is not None:
+        if tuple(mask.shape) != tuple(x.shape[:-1]):
+            raise UsageError(
+                f"trace_moments' mask {tuple(mask.shape)} must be the traced batch's (batch, "
+                f"pos) {tuple(x.shape[:-1])}: pass that batch's attention_mask."
+            )
         rows = rows[mask.reshape(-1).to(rows.device).bool()]
     rows = rows.double()
     count = torch.tensor(rows.shape[0], dtype=torch.int64)

@@ -61,12 +61,25 @@ def unpack_batch(batch: Any) -> tuple[Tensor, Tensor | None]:
             "this batch is text: pass it through as_batches(model, texts) or "
             "text_batches(tokenizer, texts) to tokenise it."
         )
-    ids = torch.as_tensor(ids)
-    if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise UsageError(
-            f"a batch must be (batch, pos) integer token ids or a dict with input_ids and "
-            f"attention_mask; got {tuple(ids.shape)} {ids.dtype}."
+    form = (
+        "a batch must be (batch, pos) integer token ids or a dict with input_ids and attention_mask"
+    )
+    if (
+        isinstance(ids, list | tuple)
+        and len(ids) == 2
+        and all(isinstance(t, Tensor) and t.ndim == 2 for t in ids)
+    ):
+        raise UsageError(  # what a DataLoader over a TensorDataset(ids, mask) yields
+            f"{form}; got a pair of tensors: pass {{'input_ids': ids, 'attention_mask': mask}}."
         )
+    try:
+        ids = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise UsageError(f"{form}; got a {type(ids).__name__} torch cannot read ({err}).") from None
+    if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise UsageError(f"{form}; got {tuple(ids.shape)} {ids.dtype}.")
+    if ids.dtype not in (torch.int32, torch.int64):  # int8/uint8/int16: no embedding reads them
+        ids = ids.long()
     if ids.numel() == 0:
         raise UsageError(
             f"a batch of shape {tuple(ids.shape)} holds no tokens; drop it from batches."
@@ -296,6 +309,8 @@ def _items(model: Any, batches: Any, batch_size: int) -> Iterator[Any]:
     for item in items:
         if _is_text(item):
             yield from text_batches(_tokenizer(model), item, batch_size=batch_size)
+        elif isinstance(item, Tensor) and item.ndim == 1:  # one (pos,) sequence
+            yield item[None]
         else:
             yield item
 

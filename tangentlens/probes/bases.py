@@ -158,12 +158,12 @@ def warn_basis_sites(used: Mapping[Site, TangentBasis], *, stacklevel: int = 3) 
     if wrong:
         warnings.warn(
             BasisSiteWarning(
-                "a basis splits the attention at a site other than where it was fitted: "
-                f"{'; '.join(wrong)}. The split is exact for any basis, but Q_T then is "
-                "not the tangent space of that input. Use the basis fitted at the site "
-                "(fit_bases(model, batches, rank=k) fits ln1.hook_out, the attention "
-                "input, and hook_resid_pre), and give score_terms the site its basis was "
-                "fitted at: site='attn_in' or site='resid_pre'."
+                "a basis is used at a site other than where it was fitted: "
+                f"{'; '.join(wrong)}. Its statistics are exact for any basis, but Q_T then "
+                "is not the tangent space there. Use the basis fitted at each site "
+                "(fit_bases(model, batches, rank=k) fits every site the probes read, "
+                "ln1.hook_out the attention input), and give score_terms the site its "
+                "basis was fitted at: site='attn_in' or site='resid_pre'."
             ),
             stacklevel=stacklevel,
         )

@@ -207,7 +207,8 @@ def run(
     later block, final norm or unembedding runs for nothing (inside another open session,
     which reads every layer of these passes too, the whole forward). With one, the loss is
     differentiated with respect to the embedding output only, so the model's parameters
-    keep their ``.grad``.
+    keep their ``.grad``. Called under ``torch.inference_mode()``, it runs outside it (its
+    state is updated in place and its gradient passes need autograd): the same table.
 
     Args:
         model: A TransformerLens bridge or an nnsight model (`load`).
@@ -233,7 +234,8 @@ def run(
 
     Raises:
         UsageError: An unknown ``loss`` name or option, batches the model cannot read,
-            or the gradient probe on an encoder without a ``loss``.
+            the gradient probe on an encoder without a ``loss``, or a ``loss`` that gives
+            no scalar tensor with a graph through the model.
 
     Example:
         With ``model`` from `load`, ``texts`` a list of strings and ``bases`` from
@@ -246,6 +248,20 @@ def run(
     """
     if isinstance(loss, str) and loss not in LOSSES:
         raise UsageError(f"loss must be one of {sorted(LOSSES)} or a callable; got {loss!r}.")
+    with torch.inference_mode(False):  # the probes' state and passes: never inference tensors
+        return _run(model, batches, bases, probes, layers, loss, progress, options)
+
+
+def _run(
+    model: Any,
+    batches: Any,
+    bases: Any,
+    probes: Any,
+    layers: Any,
+    loss: Any,
+    progress: bool,
+    options: dict[str, Any],
+) -> ProbeSession:
     session = ProbeSession(model, bases, probes, layers, **options)
     session.progress = progress
     wants_grad = any(p.reads_backward for p in session.probes.values())
@@ -274,12 +290,27 @@ def run(
                 continue
             session.leaves.clear()
             with torch.enable_grad():
-                value = loss(model, batch)
-                if not session.leaves:
-                    raise RuntimeError("the loss did not run the model's embedding; no gradient.")
+                value = _checked_loss(loss(model, batch), bool(session.leaves))
                 torch.autograd.grad(value, session.leaves, allow_unused=True)
     session.leaves = None
     return session
+
+
+def _checked_loss(value: Any, ran: bool) -> Tensor:
+    """``loss(model, batch)``'s value if the gradient probes can differentiate it: one
+    number, with a graph through the model's embedding (``ran``: the embedding's output was
+    captured)."""
+    fix = "loss must be callable(model, batch) returning the batch's scalar loss tensor"
+    if not isinstance(value, Tensor):
+        raise UsageError(f"{fix}; got a {type(value).__name__}.")
+    if value.numel() != 1:
+        raise UsageError(f"{fix}; got shape {tuple(value.shape)} (per sequence? take its .mean()).")
+    if not ran or not value.requires_grad:
+        raise UsageError(
+            f"{fix}, computed from the model's forward with its graph (no .detach(), .item() "
+            "or torch.no_grad() inside it): no gradient reaches the probes."
+        )
+    return value
 
 
 class _ForwardDone(Exception):

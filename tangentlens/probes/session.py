@@ -41,7 +41,7 @@ from . import registry, weight_gradient  # noqa: F401 (each probe module registe
 from .activation import ActivationProbe
 from .attention import AttentionProbe
 from .base import Observation, Probe, SharedEnergies, row
-from .bases import as_bases, site_order, warn_basis_weights
+from .bases import as_bases, site_order, warn_basis_sites, warn_basis_weights
 from .gradient import GradientProbe
 from .registry import Plan
 from .residual import ResidualProbe
@@ -133,6 +133,7 @@ class ProbeSession:
         self.group_of = group_of
         self.options = {**known, **options}
         self.bases = as_bases(bases)
+        warn_basis_sites(self.bases, stacklevel=4)
         warn_basis_weights(self.bases, model, stacklevel=4)
         self.skipped: dict[str, str] = {}  # probe name -> why it cannot run on this model
         self.probes: dict[str, Probe] = self._plan(sites, seed) if names else {}
@@ -153,6 +154,7 @@ class ProbeSession:
         self._seen = {"forward": 0, "backward": 0}
         self._hooks_lost = False
         self._tag: tuple[str | None, int | None] = (None, None)
+        self._tag_empty = True  # the current tag's block holds nothing: no pass, no state
         self.progress = True  # results()' default; run(progress=False) turns it off
         self._saved: dict[tuple[str | None, int | None], dict[str, dict[str, Tensor]]] = {}
 
@@ -334,6 +336,7 @@ class ProbeSession:
 
         def hook(x: Tensor) -> None:
             self._seen["forward"] += 1
+            self._tag_empty = False
             mask = self._mask_for(site, x)
             obs = Observation(
                 site, x, mask, self._cache, self._group, fast=fast, energy_cache=self._energies
@@ -406,16 +409,18 @@ class ProbeSession:
             step = check_int(step, "step", minimum=0)
         key = (None if label is None else str(label), step)
         if key != self._tag:
-            self._saved[self._tag] = self._state()
-            self._load(self._saved.pop(key, None))
-            self._tag = key
+            if not self._tag_empty or any(p.loaded for p in self.probes.values()):
+                self._saved[self._tag] = self._state()  # an untouched block makes no rows
+            state = self._saved.pop(key, None)
+            self._load(state)
+            self._tag, self._tag_empty = key, state is None
         return self
 
     def reset(self) -> ProbeSession:
         """Forget every statistic and tag (the hooks stay); returns the session."""
         self._saved.clear()
         self._load(None)
-        self._tag = (None, None)
+        self._tag, self._tag_empty = (None, None), True
         self._seen = {"forward": 0, "backward": 0}
         return self
 
