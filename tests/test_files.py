@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +18,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import tangentlens
 from tangentlens.cli import main
 from tangentlens.core import results
+from tangentlens.core.digests import source_digest
 from tangentlens.core.errors import CorruptFileError, MissingFileError, UsageError
 from tangentlens.core.files import (
     LOCK_FILE,
@@ -362,3 +366,21 @@ def test_a_failed_write_names_the_file_it_makes_not_its_temporary(tmp_path: Path
         with pytest.raises(OSError) as err:
             atomic_write(tmp_path / "x.txt", fails)
         assert err.value is raised
+
+
+def test_the_source_digest_moves_with_any_module_of_the_package(tmp_path: Path) -> None:
+    """`source_digest` covers every module's path and bytes: an edit anywhere in the tree
+    is another source, so the study's parts computed before it are recomputed."""
+    package = Path(tangentlens.__file__).resolve().parent
+    copy = tmp_path / "tangentlens"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def digest() -> str:  # the copy's own function, rooted at the copy
+        return runpy.run_path(str(copy / "core" / "digests.py"))["source_digest"]()
+
+    assert digest() == source_digest()
+    (copy / "report" / "style.py").write_text((copy / "report" / "style.py").read_text() + "\n")
+    edited = digest()
+    assert edited != source_digest()
+    (copy / "report" / "added.py").write_text("")
+    assert digest() != edited

@@ -406,9 +406,10 @@ def test_without_attn_in_bases_the_pass_loads_nothing_more(series_dir, tmp_path,
     assert seen["load"] == [early[0]]  # the first one the pass sees turns it off
 
 
-def test_a_part_in_another_format_is_recomputed(study, tmp_path, monkeypatch):
-    """A part's tensor names are part of its digest: one written under another naming
-    scheme is made again, never misread (and read directly, it is refused)."""
+def test_a_part_of_another_source_is_recomputed(study, tmp_path, monkeypatch):
+    """The source that collected a part is in its digest: one written by another
+    tangentlens (here under another naming scheme) is made again, never misread (and read
+    directly, it is refused)."""
     cfg, out, frame = study
     copied = tmp_path / "out"
     shutil.copytree(out, copied)
@@ -417,7 +418,7 @@ def test_a_part_in_another_format_is_recomputed(study, tmp_path, monkeypatch):
     tokens = load_tensors(copied / "probe_set.safetensors")[0]["tokens"]
     meta = json.loads(header[PART_KEY])
     with monkeypatch.context() as m:
-        m.setattr(collect, "_PART_FORMAT", collect._PART_FORMAT - 1)
+        m.setattr(collect, "source_digest", lambda: "another tangentlens")
         meta["collect"] = collect._part_digest(cfg, tokens)
     renamed = {
         (f"wg/{k}" if k.startswith("weight_gradient/") else k): t for k, t in tensors.items()

@@ -5,6 +5,7 @@ another with the same bytes."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["config_digest", "content_sha256", "tensor_hash"]
+__all__ = ["config_digest", "content_sha256", "source_digest", "tensor_hash"]
 
 
 def tensor_hash(tensors: dict[str, Tensor]) -> str:
@@ -47,3 +48,17 @@ def config_digest(config: Mapping[str, Any]) -> str:
     """SHA-256 of a configuration's canonical JSON: what a folder's record compares."""
     text = json.dumps(config, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.cache
+def source_digest() -> str:
+    """SHA-256 of tangentlens's own source (each module's path and bytes), read once a
+    process: what a file the tool reuses records of the code that computed it, so one
+    computed by another version or an edited tree is computed again, never mixed with
+    this code's results."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for file in sorted(root.rglob("*.py")):
+        h.update(f"{file.relative_to(root).as_posix()}|".encode())
+        h.update(file.read_bytes())
+    return h.hexdigest()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..core.digests import config_digest, tensor_hash
+from ..core.digests import config_digest, source_digest, tensor_hash
 from ..core.errors import CorruptFileError, UsageError
 from ..core.files import CONTENT_KEY, check_safetensors, load_tensors, save_tensors
 from ..core.stats import Moments
@@ -65,9 +65,6 @@ __all__ = [
 
 PROBE_FILE = "probe_set.safetensors"
 PART_KEY = "tangentlens_study_part"
-# how a part's tensors are named (module docstring); in the digest, so a part written
-# under another scheme is recomputed, never misread
-_PART_FORMAT = 3
 # the settings a probe set, and a part beyond its probe set, are functions of
 _PROBE_SET_KEYS = ("checkpoints", "corpus", "encoding", "max_chars", "seq_len", "probe_fraction")
 _PART_KEYS = ("backend", "sites", "writes", "n_groups", "batch_size", "reservoir", "seed")
@@ -80,13 +77,16 @@ def _probe_set_digest(cfg: StudyConfig, lines: list[str] | None = None) -> str:
     if lines is None:
         lines = corpus.load_lines(cfg.corpus, cfg.max_chars, cfg.encoding)
     settings = {k: getattr(cfg, k) for k in (*_PROBE_SET_KEYS, "seed", "n_sequences")}
-    return config_digest({**settings, "text_sha256": corpus.text_sha256(lines)})
+    text = corpus.text_sha256(lines)
+    return config_digest({**settings, "text_sha256": text, "code": source_digest()})
 
 
 def _part_digest(cfg: StudyConfig, tokens: Tensor) -> str:
     settings = {k: getattr(cfg, k) for k in _PART_KEYS}
     tokens_hash = tensor_hash({"tokens": tokens})
-    return config_digest({**settings, "tokens": tokens_hash, "format": _PART_FORMAT})
+    # the code: a part collected by another tangentlens (other tensor names, another
+    # statistic) is recomputed, never read into this one's probes or mixed with its parts
+    return config_digest({**settings, "tokens": tokens_hash, "code": source_digest()})
 
 
 def probe_set(cfg: StudyConfig, series: Any, out: Path) -> tuple[Tensor, Tensor]:
@@ -162,8 +162,9 @@ def load_probe_set(
 
 def stale_parts(cfg: StudyConfig, series: Any, out: Path, tokens: Tensor) -> list[int]:
     """Indices of the checkpoints whose part must be computed: missing, made with other
-    settings or another probe set, without a content hash (unverifiable), or from other
-    weights than the checkpoint records now (retrained in place). Such parts are deleted
+    settings, another probe set or another tangentlens source, without a content hash
+    (unverifiable), or from other weights than the checkpoint records now (retrained in
+    place). Such parts are deleted
     here: a part is reused only when verified, and recomputing it is the fix."""
     digest = _part_digest(cfg, tokens)
     todo = []
