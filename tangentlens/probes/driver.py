@@ -249,19 +249,20 @@ def run(
     if isinstance(loss, str) and loss not in LOSSES:
         raise UsageError(f"loss must be one of {sorted(LOSSES)} or a callable; got {loss!r}.")
     with torch.inference_mode(False):  # the probes' state and passes: never inference tensors
-        return _run(model, batches, bases, probes, layers, loss, progress, options)
+        return _run(model, batches, bases, probes, loss, layers, progress, options)
 
 
 def _run(
     model: Any,
-    batches: Any,
-    bases: Any,
-    probes: Any,
-    layers: Any,
-    loss: Any,
+    batches: Iterable[Any],
+    bases: Mapping[str | Site, TangentBasis] | None,
+    probes: Sequence[str],
+    loss: Callable[[Any, Any], Tensor] | str | None,
+    layers: int | Iterable[int] | None,
     progress: bool,
     options: dict[str, Any],
 ) -> ProbeSession:
+    """`run` inside ``torch.inference_mode(False)``."""
     session = ProbeSession(model, bases, probes, layers, **options)
     session.progress = progress
     wants_grad = any(p.reads_backward for p in session.probes.values())
