@@ -205,7 +205,8 @@ def warn_basis_weights(
             BasisWeightsWarning(
                 f"the bases at {other[:4]}{' ...' if len(other) > 4 else ''} were fitted on "
                 "other weights than this model holds (their provenance's weight_hash "
-                "differs): refit them with fit_bases on this model, or filter "
+                "differs: another model or checkpoint, or these weights cast to another "
+                "dtype): refit them with fit_bases on this model, or filter "
                 "BasisWeightsWarning if other weights are meant."
             ),
             stacklevel=stacklevel,
