@@ -331,3 +331,28 @@ def test_a_resume_refuses_changed_weights_in_the_checkpoint_it_resumes_from(tiny
     shutil.rmtree(out / "step8")  # the fix the message names: rebuilt from step 0
     train(cfg, out, progress=False)
     assert _hashes(out) == _hashes(tiny_run)
+
+
+def test_a_resume_by_another_source_is_refused(tmp_path, monkeypatch):
+    from tangentlens.data import resume
+
+    class Interrupted(Exception):
+        pass
+
+    checkpoint = train_module._checkpoint
+
+    def interrupt_after_step4(out, step, *args):
+        checkpoint(out, step, *args)
+        if step == 4:
+            raise Interrupted
+
+    cfg, out = TrainConfig.tiny(), tmp_path / "interrupted"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_module, "_checkpoint", interrupt_after_step4)
+        with pytest.raises(Interrupted):
+            train(cfg, out, progress=False)
+    monkeypatch.setattr(resume, "source_digest", lambda: "another tangentlens")
+    with pytest.raises(UsageError, match="train_state.safetensors") as err:
+        train(cfg, out, progress=False)
+    assert "--restart" in str(err.value)
+    assert not (out / "step8").exists()  # nothing trained on by the other code

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.digests import content_sha256, tensor_hash
+from ..core.digests import content_sha256, source_digest, tensor_hash
 from ..core.errors import CorruptFileError, UsageError
 from ..core.files import (
     RECORD_FILE,
@@ -36,11 +36,13 @@ from .corpus import text_sha256
 __all__ = [
     "CONFIG_FILE",
     "INPUT_KEYS",
+    "SOURCE_KEY",
     "STATE_FILE",
     "TOKENIZER_DIR",
     "check_finished",
     "check_inputs",
     "check_recorded",
+    "check_source",
     "inputs_digest",
     "is_started",
     "load_resumed",
@@ -54,6 +56,7 @@ CONFIG_FILE = "train_config.json"
 STATE_FILE = "train_state.safetensors"
 TOKENIZER_DIR = "tokenizer"
 INPUT_KEYS = ("corpus_sha256", "tokenizer_sha256")
+SOURCE_KEY = "source_sha256"  # the training state's record of the code that wrote it
 _STEP = re.compile(r"step\d+")
 _SEED = re.compile(r"seed\d+")
 RESTART = (  # the fixes every refusal of a resume names
@@ -107,6 +110,19 @@ def resumable(out: Path, steps: list[int]) -> bool:
         return False
     step = trained_to(out)
     return step is None or not missing_steps(out, steps, step)
+
+
+def check_source(state: Path, meta: Mapping[str, str]) -> None:
+    """Refuse to resume a training state that another tangentlens source wrote
+    (`source_digest`: an upgrade or an edit since the run started): its remaining steps
+    would be trained by other code than its first ones, and its checkpoints mix the two."""
+    recorded = meta.get(SOURCE_KEY)
+    if recorded is not None and recorded != source_digest():
+        raise UsageError(
+            f"{state} was written by another tangentlens source than this one (upgraded or "
+            "edited since the run started), so its remaining steps would be trained by "
+            f"other code: run the tangentlens that started it, or {RESTART}."
+        )
 
 
 def load_resumed(folder: Path, model: Any) -> None:

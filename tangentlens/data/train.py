@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.digests import tensor_hash
+from ..core.digests import source_digest, tensor_hash
 from ..core.errors import CorruptFileError, UsageError
 from ..core.files import (
     atomic_folder,
@@ -68,10 +68,12 @@ from .resume import (
     CONFIG_FILE,
     INPUT_KEYS,
     RESTART,
+    SOURCE_KEY,
     STATE_FILE,
     TOKENIZER_DIR,
     check_finished,
     check_inputs,
+    check_source,
     inputs_digest,
     is_started,
     load_resumed,
@@ -533,6 +535,7 @@ def _resume(out: Path, model: Any, opt: torch.optim.Optimizer) -> int:
     damaged or tampered state is a `CorruptFileError` with the fix."""
     path = out / STATE_FILE
     tensors, meta = load_tensors(path)
+    check_source(path, meta)
     try:
         start = int(meta["step"])
         load_resumed(out / f"step{start}", model)
@@ -591,4 +594,5 @@ def _checkpoint(
     tensors["rng"] = rng
     inputs = {key: metadata[key] for key in INPUT_KEYS}
     state = {"step": str(step), "optimizer": json.dumps(opt_meta), **inputs}
+    state[SOURCE_KEY] = source_digest()
     save_tensors(out / STATE_FILE, tensors, state)
