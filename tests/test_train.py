@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 from tangentlens.core.digests import tensor_hash
 from tangentlens.core.errors import CorruptFileError, UsageError
 from tangentlens.core.files import read_checked_json, write_checked_json
+from tangentlens.data import resume
 from tangentlens.data import train as train_module
 from tangentlens.data.train import TrainConfig, checkpoint_steps, train
 from tangentlens.study.config import open_series
@@ -36,6 +38,28 @@ def _hashes(out: Path) -> dict[str, str]:
 def _metadata(out: Path) -> list[dict]:
     steps = sorted(out.glob("step*"), key=lambda p: int(p.name[4:]))
     return [json.loads((p / "tangentlens.json").read_text()) for p in steps]
+
+
+def _interrupted(config: TrainConfig, out: Path, after: int) -> Path:
+    """``out`` as a kill right after checkpoint ``after`` leaves it (its state written,
+    the next step's update not made)."""
+
+    class Interrupted(Exception):
+        pass
+
+    checkpoint = train_module._checkpoint
+
+    def interrupt(folder, step, *args):
+        checkpoint(folder, step, *args)
+        if step == after:
+            raise Interrupted
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_module, "_checkpoint", interrupt)
+        with pytest.raises(Interrupted):
+            train(config, out, progress=False)
+    assert not (out / f"step{config.max_steps}").exists()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -278,22 +302,7 @@ def test_masked_inputs_are_seeded_per_step():
 
 
 def test_masked_resume_after_an_interrupt_matches_uninterrupted_run(masked_run, tmp_path):
-    class Interrupted(Exception):
-        pass
-
-    checkpoint = train_module._checkpoint
-
-    def interrupt_after_step8(out, step, *args):
-        checkpoint(out, step, *args)
-        if step == 8:  # the state is written: as a kill before step 9's update
-            raise Interrupted
-
-    out = tmp_path / "interrupted"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train_module, "_checkpoint", interrupt_after_step8)
-        with pytest.raises(Interrupted):
-            train(MASKED, out, progress=False)
-    assert not (out / f"step{MASKED.max_steps}").exists()
+    out = _interrupted(MASKED, tmp_path / "interrupted", after=8)
     train(MASKED, out, progress=False)
     assert _hashes(out) == _hashes(masked_run)
     assert [m["eval_loss"] for m in _metadata(out)] == [
@@ -302,23 +311,8 @@ def test_masked_resume_after_an_interrupt_matches_uninterrupted_run(masked_run, 
 
 
 def test_a_resume_refuses_changed_weights_in_the_checkpoint_it_resumes_from(tiny_run, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    class Interrupted(Exception):
-        pass
-
-    checkpoint = train_module._checkpoint
-
-    def interrupt_after_step8(out, step, *args):
-        checkpoint(out, step, *args)
-        if step == 8:
-            raise Interrupted
-
-    cfg, out = TrainConfig.tiny(), tmp_path / "interrupted"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train_module, "_checkpoint", interrupt_after_step8)
-        with pytest.raises(Interrupted):
-            train(cfg, out, progress=False)
+    cfg = TrainConfig.tiny()
+    out = _interrupted(cfg, tmp_path / "interrupted", after=8)
     weights = out / "step8" / "model.safetensors"
     tensors = load_file(weights)
     name = sorted(tensors)[0]
@@ -334,25 +328,10 @@ def test_a_resume_refuses_changed_weights_in_the_checkpoint_it_resumes_from(tiny
 
 
 def test_a_resume_by_another_source_is_refused(tmp_path, monkeypatch):
-    from tangentlens.data import resume
-
-    class Interrupted(Exception):
-        pass
-
-    checkpoint = train_module._checkpoint
-
-    def interrupt_after_step4(out, step, *args):
-        checkpoint(out, step, *args)
-        if step == 4:
-            raise Interrupted
-
-    cfg, out = TrainConfig.tiny(), tmp_path / "interrupted"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train_module, "_checkpoint", interrupt_after_step4)
-        with pytest.raises(Interrupted):
-            train(cfg, out, progress=False)
+    cfg = TrainConfig.tiny()
+    out = _interrupted(cfg, tmp_path / "interrupted", after=4)
     monkeypatch.setattr(resume, "source_digest", lambda: "another tangentlens")
-    with pytest.raises(UsageError, match="train_state.safetensors") as err:
+    with pytest.raises(UsageError, match=r"train_state\.safetensors") as err:
         train(cfg, out, progress=False)
     assert "--restart" in str(err.value)
     assert not (out / "step8").exists()  # nothing trained on by the other code
