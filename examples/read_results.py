@@ -18,8 +18,8 @@ df = pd.read_csv(results_dir / "results.csv")
 ratio = df[df.statistic == "energy_ratio"]
 print(ratio.pivot_table(index="layer", columns="window", values="value", aggfunc="mean"))
 
-# How often Q_T's gradient energy beats the normal controls at the 1 % level: a p-value
-# floors at 1/(n_controls + 1), recorded in the study's manifest.json.
+# How often Q_T's gradient energy beats uniformly random k-frames at the 1 % level: a
+# p-value floors at 1/(n_controls + 1), recorded in the study's manifest.json.
 p = df[df.statistic == "p_value"]
 print(f"p-values: median {p.value.median():.4f}, share <= 0.01: {(p.value <= 0.01).mean():.2f}")
 

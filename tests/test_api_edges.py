@@ -39,11 +39,13 @@ def test_inference_mode_gives_the_tables_of_a_plain_call(llama: dict[str, Any]) 
     plain = _run(llama, [llama["ids"]], probes)
     with torch.inference_mode():
         inside = _run(llama, [llama["ids"]], probes)
+        made_inside = _run(llama, [llama["ids"].clone()], probes)  # inference-tensor ids
         refit = fit_bases(llama["model"], [llama["ids"]] * 2, rank=4, progress=False)
         with probe(llama["model"], llama["bases"], ("residual",)) as session:
             llama["model"](llama["ids"])
         own = session.results()
     pd.testing.assert_frame_equal(plain, inside)
+    pd.testing.assert_frame_equal(plain, made_inside)
     share = "statistic == 'tangent_share' and probe == 'residual'"
     assert np.allclose(own.query(share).value, plain.query(share).value, rtol=1e-6)
     assert set(refit.keys()) == set(llama["bases"].keys())
@@ -84,9 +86,13 @@ def test_no_layer_at_all_is_named(llama: dict[str, Any]) -> None:
 def test_batches_as_a_dataloader_pairs_sequences_and_small_ints(llama: dict[str, Any]) -> None:
     ids = llama["ids"]
     mask = torch.ones_like(ids)
-    for pairs in (DataLoader(TensorDataset(ids, mask), batch_size=2), [(ids, mask)]):
+    for pairs in (DataLoader(TensorDataset(ids, mask), batch_size=2), [(ids, mask)], (ids, mask)):
         with pytest.raises(UsageError, match="attention_mask"):
             _run(llama, pairs, ("residual",))
+    pd.testing.assert_frame_equal(  # a DataLoader over ids alone yields one-tensor lists
+        _run(llama, DataLoader(TensorDataset(ids), batch_size=4), ("residual",)),
+        _run(llama, [ids], ("residual",)),
+    )
     one_by_one = _run(llama, [ids[0], ids[1, :7]], ("residual",))
     tokens_seen = one_by_one.query("statistic == 'n_tokens'").value
     assert (tokens_seen == 19).all()  # 12 + 7 tokens, two batches of one sequence
@@ -98,11 +104,13 @@ def test_batches_as_a_dataloader_pairs_sequences_and_small_ints(llama: dict[str,
 
 def test_a_basis_moved_to_another_site_warns_in_every_probe(llama: dict[str, Any]) -> None:
     moved = {"blocks.1.hook_resid_pre": llama["bases"]["blocks.0.hook_resid_pre"]}
-    with pytest.warns(BasisSiteWarning, match=r"blocks\.1\.hook_resid_pre.*blocks\.0"):
+    with pytest.warns(BasisSiteWarning, match=r"blocks\.1\.hook_resid_pre.*blocks\.0") as seen:
         run(llama["model"], [llama["ids"]], moved, ("residual", "gradient"), progress=False)
+    assert {w.filename for w in seen} == {__file__}  # reported at the caller's line
     with warnings.catch_warnings():
         warnings.simplefilter("error", BasisSiteWarning)
         _run(llama, [llama["ids"]], ("residual", "gradient"))  # each basis at its own site
+        run(llama["model"], [llama["ids"]], moved, ("residual",), layers=[0], progress=False)
 
 
 def test_a_tagged_training_loop_has_no_empty_block(llama: dict[str, Any]) -> None:
@@ -117,6 +125,15 @@ def test_a_tagged_training_loop_has_no_empty_block(llama: dict[str, Any]) -> Non
     assert set(table.step.dropna()) == {0, 1}
     measured = table[table.probe != "basis"]  # the bases' own rows belong to no tag
     assert measured.step.notna().all()  # no rows of the untagged block before the loop
+    with warnings.catch_warnings():  # tagged after each step: the live block is empty
+        warnings.simplefilter("error")
+        with probe(model, llama["bases"], ("residual",)) as session:
+            session.tag(step=0)
+            for step in range(2):
+                model(ids)
+                session.tag(step=step + 1)
+        after = session.results()
+    assert set(after.step.dropna()) == {0, 1}
 
 
 def test_trace_moments_names_a_mask_of_another_shape() -> None:

@@ -58,7 +58,8 @@ def source_digest() -> str:
     this code's results."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for file in sorted(root.rglob("*.py")):
+    modules = (p for p in root.rglob("*.py") if p.is_file() and not p.name.startswith("."))
+    for file in sorted(modules):  # an editor's hidden lock or backup is no module
         h.update(f"{file.relative_to(root).as_posix()}|".encode())
         h.update(file.read_bytes())
     return h.hexdigest()

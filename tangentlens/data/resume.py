@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.digests import content_sha256, source_digest, tensor_hash
+from ..core.digests import content_sha256, source_digest
 from ..core.errors import CorruptFileError, UsageError
 from ..core.files import (
     RECORD_FILE,
@@ -126,9 +126,9 @@ def check_source(state: Path, meta: Mapping[str, str]) -> None:
 
 
 def load_resumed(folder: Path, model: Any) -> None:
-    """Load the checkpoint a training state resumes from into ``model`` and check its
-    weights against the ``weights_hash`` its record holds: training on from changed
-    weights would carry the change into every later checkpoint, each recorded as sound."""
+    """Load the checkpoint a training state resumes from into ``model`` (its weights are
+    checked against their record when the resumed run reaches that step again, before any
+    update: `tangentlens.data.train`'s checkpoint writer)."""
     weights, _ = load_tensors(folder / "model.safetensors")
     result = model.load_state_dict(weights, strict=False)
     tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # not saved
@@ -136,14 +136,6 @@ def load_resumed(folder: Path, model: Any) -> None:
         raise UsageError(
             f"{folder} does not match this config's model; "
             "delete the output folder or pass the config it was trained with."
-        )
-    fix = "delete that checkpoint folder and rerun train with the same options, which rebuilds it"
-    recorded = read_checked_json(folder / METADATA_FILE, fix=fix).get("weights_hash")
-    if tensor_hash(model.state_dict()) != recorded:
-        raise CorruptFileError(
-            f"{folder / 'model.safetensors'} holds other weights than the weights_hash its "
-            f"{METADATA_FILE} records (changed or damaged), so training cannot resume from "
-            f"it: {fix}."
         )
 
 

@@ -429,7 +429,8 @@ def train(
     torch RNG state and thread count are restored afterwards.
 
     A rerun resumes only the same run: another configuration, corpus text or tokenizer
-    than the folder's checkpoints were trained with is a `UsageError`. ``restart``: delete
+    than the folder's checkpoints were trained with, or a training state written by another
+    tangentlens source, is a `UsageError`. ``restart``: delete
     the folder's checkpoints first and train from step 0 (`start_over`).
     """
     out = Path(out_dir)
@@ -577,8 +578,10 @@ def _checkpoint(
         saved = saved.get("weights_hash")
         if saved != weights_hash:
             raise CorruptFileError(
-                f"{final} holds other weights than this resumed run produced (changed, or "
-                "another torch build or thread count): delete the folder and rerun."
+                f"{final}: this run's weights at that step are not the weights_hash its "
+                f"{METADATA_FILE} records (the checkpoint changed since it was written, or "
+                "another torch build or thread count trained it): delete the folder and rerun "
+                "train, which rebuilds it."
             )
     else:
         meta = {**metadata, "weights_hash": weights_hash}

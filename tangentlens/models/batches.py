@@ -56,6 +56,8 @@ def unpack_batch(batch: Any) -> tuple[Tensor, Tensor | None]:
         ids, mask = batch["input_ids"], batch.get("attention_mask")
     else:
         ids, mask = batch, None
+    if isinstance(ids, list | tuple) and len(ids) == 1 and isinstance(ids[0], Tensor):
+        ids = ids[0]  # what a DataLoader over a TensorDataset(ids) yields
     if isinstance(ids, str) or (isinstance(ids, list | tuple) and ids and isinstance(ids[0], str)):
         raise UsageError(
             "this batch is text: pass it through as_batches(model, texts) or "
@@ -282,6 +284,18 @@ def iter_batches(model: Any, batches: Any, *, batch_size: int = 8) -> Iterator[A
         raise UsageError("batches holds no batch; pass at least one batch of token ids or text.")
 
 
+def _is_pair(batches: Any) -> bool:
+    """Two tensors of one shape, the second all 0/1 and the first not: token ids and their
+    mask passed side by side, not two batches."""
+    if not (isinstance(batches, list | tuple) and len(batches) == 2):
+        return False
+    ids, mask = batches
+    if not (isinstance(ids, Tensor) and isinstance(mask, Tensor) and ids.shape == mask.shape):
+        return False
+    binary = bool(((mask == 0) | (mask == 1)).all())
+    return binary and not bool(((ids == 0) | (ids == 1)).all())
+
+
 def _items(model: Any, batches: Any, batch_size: int) -> Iterator[Any]:
     if isinstance(batches, Tensor):
         if batches.ndim == 1:
@@ -296,6 +310,11 @@ def _items(model: Any, batches: Any, batch_size: int) -> Iterator[Any]:
     if isinstance(batches, Mapping):
         yield batches
         return
+    if _is_pair(batches):
+        raise UsageError(
+            "batches is an (ids, attention_mask) pair, which would read the mask as a second "
+            "batch of token ids: pass {'input_ids': ids, 'attention_mask': mask}."
+        )
     if _is_text(batches):
         yield from text_batches(_tokenizer(model), batches, batch_size=batch_size)
         return

@@ -216,6 +216,7 @@ class AttentionProbe(Probe):
                     self._sample_key(site), lambda n=params.n_heads: AttentionAccumulator(n)
                 )
                 self.add_state(self._seen_key(site), Sum)
+        warn_basis_sites({s: b for s, (b, _) in self.layers.items()}, stacklevel=4)
         self.writes = {layer: (s, b, w.detach()) for layer, (s, b, w) in (writes or {}).items()}
         by_layer = {s.layer: p for s, (_, p) in self.layers.items()}
         for layer, (_, basis, w_o) in self.writes.items():

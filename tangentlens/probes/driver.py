@@ -249,21 +249,18 @@ def run(
     if isinstance(loss, str) and loss not in LOSSES:
         raise UsageError(f"loss must be one of {sorted(LOSSES)} or a callable; got {loss!r}.")
     with torch.inference_mode(False):  # the probes' state and passes: never inference tensors
-        return _run(model, batches, bases, probes, loss, layers, progress, options)
+        session = ProbeSession(model, bases, probes, layers, **options)
+        return _drive(session, model, batches, loss, progress)
 
 
-def _run(
+def _drive(
+    session: ProbeSession,
     model: Any,
     batches: Iterable[Any],
-    bases: Mapping[str | Site, TangentBasis] | None,
-    probes: Sequence[str],
     loss: Callable[[Any, Any], Tensor] | str | None,
-    layers: int | Iterable[int] | None,
     progress: bool,
-    options: dict[str, Any],
 ) -> ProbeSession:
-    """`run` inside ``torch.inference_mode(False)``."""
-    session = ProbeSession(model, bases, probes, layers, **options)
+    """`run`'s passes, inside ``torch.inference_mode(False)``."""
     session.progress = progress
     wants_grad = any(p.reads_backward for p in session.probes.values())
     if wants_grad and loss is None:
@@ -283,7 +280,8 @@ def _run(
         batches, total = iter_batches(model, batches), None
     device = _device(model)
     with session, contextlib.nullcontext() if wants_grad else _stopped_forward(session):
-        for batch in tqdm(batches, total=total, disable=not progress, desc="probing"):
+        for given in tqdm(batches, total=total, disable=not progress, desc="probing"):
+            batch = _outside_inference(given)
             ids, mask = unpack_batch(batch)
             if not wants_grad:
                 with torch.no_grad(), contextlib.suppress(_ForwardDone):
@@ -295,6 +293,16 @@ def _run(
                 torch.autograd.grad(value, session.leaves, allow_unused=True)
     session.leaves = None
     return session
+
+
+def _outside_inference(batch: Any) -> Any:
+    """``batch`` with its inference tensors (made under ``torch.inference_mode``) copied to
+    normal ones, which the gradient passes can save for the backward."""
+    if isinstance(batch, Tensor):
+        return batch.clone() if batch.is_inference() else batch
+    if isinstance(batch, Mapping):
+        return {k: _outside_inference(v) for k, v in batch.items()}
+    return batch
 
 
 def _checked_loss(value: Any, ran: bool) -> Tensor:

@@ -133,7 +133,6 @@ class ProbeSession:
         self.group_of = group_of
         self.options = {**known, **options}
         self.bases = as_bases(bases)
-        warn_basis_sites(self.bases, stacklevel=4)
         warn_basis_weights(self.bases, model, stacklevel=4)
         self.skipped: dict[str, str] = {}  # probe name -> why it cannot run on this model
         self.probes: dict[str, Probe] = self._plan(sites, seed) if names else {}
@@ -141,6 +140,15 @@ class ProbeSession:
             if p.name in self.probes:
                 raise UsageError(f"two probes are named {p.name!r}; give each a distinct name.")
             self.probes[p.name] = p
+        # a basis given at a site another than it was fitted at, where a probe reads it (the
+        # attention probe, which may also be built by hand, warns for its own sites)
+        read = {
+            s.without_head()
+            for p in self.probes.values()
+            if not isinstance(p, AttentionProbe)
+            for s in (*p.forward_sites, *p.backward_sites)
+        }
+        warn_basis_sites({s: b for s, b in self.bases.items() if s in read}, stacklevel=4)
         self.leaves: list[Tensor] | None = None
         self._handles: list[Handle] = []
         self._mask: Tensor | None = None
@@ -461,9 +469,9 @@ class ProbeSession:
         progress = self.progress if progress is None else bool(progress)
         for p in self.probes.values():
             p.progress = progress
-        tags = [
-            k for k in (*self._saved, self._tag) if tag in (None, k[0]) and step in (None, k[1])
-        ]
+        untouched = self._tag_empty and not any(p.loaded for p in self.probes.values())
+        live = () if untouched and self._saved else (self._tag,)  # an empty block: no rows
+        tags = [k for k in (*self._saved, *live) if tag in (None, k[0]) and step in (None, k[1])]
         if not tags:
             known = ", ".join(f"tag={k[0]!r} step={k[1]!r}" for k in (*self._saved, self._tag))
             raise UsageError(

@@ -395,7 +395,10 @@ def collect_worker(
     path = Path(out) / PROBE_FILE
     found = load_probe_set(path, cfg)  # the parent made and checked it
     if found is None:
-        raise CorruptFileError(f"{path} changed during the study; rerun the study.")
+        raise CorruptFileError(
+            f"{path} changed during the study, or the tangentlens source did (the workers "
+            "read another than the study that started them); rerun the study."
+        )
     with threads(n_threads):
         tokens, _ = found
         collect(cfg, series, todo, Path(out), tokens, rank, world_size, progress)
