@@ -578,10 +578,9 @@ def _checkpoint(
         saved = saved.get("weights_hash")
         if saved != weights_hash:
             raise CorruptFileError(
-                f"{final}: this run's weights at that step are not the weights_hash its "
-                f"{METADATA_FILE} records (the checkpoint changed since it was written, or "
-                "another torch build or thread count trained it): delete the folder and rerun "
-                "train, which rebuilds it."
+                f"{final}: this run's weights there are not its {METADATA_FILE}'s weights_hash "
+                "(the checkpoint changed since it was written, or another torch build or thread "
+                "count made it): delete the folder and rerun train, which rebuilds it."
             )
     else:
         meta = {**metadata, "weights_hash": weights_hash}
