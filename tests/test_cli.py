@@ -16,7 +16,9 @@ import pandas as pd
 import pytest
 from models import hf_folder
 
+from tangentlens.cli import demo as demo_module
 from tangentlens.cli import main
+from tangentlens.core.errors import ResumeRefusedError, UsageError
 from tangentlens.report import Claim
 from tangentlens.report.claims import VERDICTS
 from tangentlens.report.page import is_report
@@ -351,3 +353,19 @@ def test_demo_kinds_side_by_side_give_the_tables_of_the_kinds_in_turn(tmp_path: 
         found[workers] = (json.loads((out / "summary.json").read_text()), tables)
     assert len(found[1][1]) == 2 and found[1][1].keys() == found[2][1].keys()
     assert found[1] == found[2]
+
+
+def test_a_demo_refused_a_resume_names_its_own_fixes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training step the demo cannot resume (its folder made with other inputs, options
+    or code) names what the demo offers: it has no --restart."""
+
+    def refused(config: object, out: Path, *args: object, **kwargs: object) -> Path:
+        raise ResumeRefusedError(f"{out} was trained otherwise: rerun with --restart.")
+
+    monkeypatch.setattr(demo_module, "train", refused)
+    with pytest.raises(UsageError, match="new --out") as err:
+        demo_module.demo(tmp_path / "d", quick=True, workers=1, progress=False)
+    assert str(tmp_path / "d" / "decoder" / "seed0" / "checkpoints") in str(err.value)
+    assert not isinstance(err.value, ResumeRefusedError)

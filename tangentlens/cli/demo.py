@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..core.errors import ResumeRefusedError, UsageError
 from ..core.files import remove_stale_temporaries, write_checked_json
 from ..core.folders import lock_folder
 from ..core.settings import DEMO, DEMO_STUDY, QUICK_DEMO
@@ -93,7 +94,13 @@ def _demo_kind(
         log(f"{step} {kind} seed {seed}: training ({objective}, {config.max_steps} "
             f"steps), its study and report → {folder}")  # fmt: skip
         clock = time.perf_counter()
-        ckpt = train(config, folder / CHECKPOINTS_DIR, progress, tokenizer_from=shared)
+        try:
+            ckpt = train(config, folder / CHECKPOINTS_DIR, progress, tokenizer_from=shared)
+        except ResumeRefusedError as err:  # the demo has no --restart
+            raise UsageError(
+                f"{err} For `tangentlens demo`, which has no --restart: delete "
+                f"{folder / CHECKPOINTS_DIR} to train it again, or choose a new --out."
+            ) from None
         shared = shared or ckpt / TOKENIZER_DIR
         timings["train_s"] += time.perf_counter() - clock
         clock = time.perf_counter()

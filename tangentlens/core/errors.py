@@ -31,6 +31,7 @@ __all__ = [
     "HubUnavailableError",
     "MissingFileError",
     "PaddingWarning",
+    "ResumeRefusedError",
     "TangentlensError",
     "UnstableBasisWarning",
     "UsageError",
@@ -43,6 +44,11 @@ class TangentlensError(Exception):
 
 class UsageError(TangentlensError, ValueError):
     """An argument, input or folder the caller can fix; the message names the fix."""
+
+
+class ResumeRefusedError(UsageError):
+    """A training run's folder holds steps made with other inputs, options or code, which
+    a resume would mix with its own; the fixes: restore them, restart, or a new folder."""
 
 
 class MissingFileError(UsageError, FileNotFoundError):

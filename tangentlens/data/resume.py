@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.digests import content_sha256, source_digest
-from ..core.errors import CorruptFileError, UsageError
+from ..core.errors import CorruptFileError, ResumeRefusedError, UsageError
 from ..core.files import (
     RECORD_FILE,
     check_safetensors,
@@ -118,7 +118,7 @@ def check_source(state: Path, meta: Mapping[str, str]) -> None:
     would be trained by other code than its first ones, and its checkpoints mix the two."""
     recorded = meta.get(SOURCE_KEY)
     if recorded is not None and recorded != source_digest():
-        raise UsageError(
+        raise ResumeRefusedError(
             f"{state} was written by another tangentlens source than this one (upgraded or "
             "edited since the run started), so its remaining steps would be trained by "
             f"other code: run the tangentlens that started it, or {RESTART}."
@@ -168,12 +168,12 @@ def check_inputs(out: Path, inputs: Mapping[str, str], corpus: str | None) -> No
     for where, record in records:
         if record.get("corpus_sha256", inputs["corpus_sha256"]) != inputs["corpus_sha256"]:
             name = "the embedded KJV corpus" if corpus in (None, "kjv") else f"the corpus {corpus}"
-            raise UsageError(
+            raise ResumeRefusedError(
                 f"{name} is not the text {where} was trained on (its SHA-256 differs): restore "
                 f"it, {RESTART}."
             )
         if record.get("tokenizer_sha256", inputs["tokenizer_sha256"]) != inputs["tokenizer_sha256"]:
-            raise UsageError(
+            raise ResumeRefusedError(
                 f"{out / TOKENIZER_DIR} is not the tokenizer {where} was trained with (its "
                 f"SHA-256 differs): restore it, {RESTART}."
             )

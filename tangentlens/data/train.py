@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ..core.digests import source_digest, tensor_hash
-from ..core.errors import CorruptFileError, UsageError
+from ..core.errors import CorruptFileError, ResumeRefusedError, UsageError
 from ..core.files import (
     atomic_folder,
     dataclass_from_dict,
@@ -394,7 +394,7 @@ def _prepare_out_dir(config: TrainConfig, out: Path, lock: FolderLock) -> None:
     if is_started(out) and cfg_path.is_file() and not same_config():
         saved = _read_json(cfg_path)
         diff = sorted(k for k, v in config.to_dict().items() if saved.get(k) != v)
-        raise UsageError(
+        raise ResumeRefusedError(
             f"{out} holds a `tangentlens train` run with another configuration (differs in "
             f"{diff}): rerun with its options to resume, {RESTART}."
         )
