@@ -140,7 +140,9 @@ class StudySettings:
     late: Setting = Setting(None, "late steps", shown="the last --window-fraction")
     n_sequences: Setting = Setting(256, "probe set, in sequences")
     seq_len: Setting = Setting(64, "tokens per probe sequence, at most the model's context")
-    head_sequences: Setting = Setting(8, "probe sequences behind the heads' rows (0: no heads)")
+    head_sequences: Setting = Setting(
+        8, "the first probe sequences behind the heads' rows, at most --sequences (0: no heads)"
+    )
     corpus: Setting = TEXT
     encoding: Setting = ENCODING
     seed: Setting = SEED
