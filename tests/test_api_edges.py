@@ -141,3 +141,19 @@ def test_trace_moments_names_a_mask_of_another_shape() -> None:
     ids = tokens("llama", 3, 12)
     with pytest.raises(UsageError, match=r"mask \(3, 5\).*\(3, 12\)"), lm.trace(ids):
         trace_moments(lm, ["blocks.0.hook_resid_pre"], torch.ones(3, 5))
+
+
+def test_a_dict_batch_reaches_a_loss_of_ones_own_as_given(llama: dict[str, Any]) -> None:
+    class Encoding(dict):  # a tokenizer's BatchEncoding: a dict with attribute access
+        def __getattr__(self, key: str) -> Any:
+            return self[key]
+
+    seen: list[type] = []
+
+    def loss(model: Any, batch: Any) -> torch.Tensor:
+        seen.append(type(batch))
+        return lm_loss(model, batch.input_ids)
+
+    batch = Encoding(input_ids=llama["ids"], attention_mask=torch.ones_like(llama["ids"]))
+    _run(llama, [batch], ("gradient",), loss=loss)
+    assert seen == [Encoding]

@@ -297,12 +297,14 @@ def _drive(
 
 def _outside_inference(batch: Any) -> Any:
     """``batch`` with its inference tensors (made under ``torch.inference_mode``) copied to
-    normal ones, which the gradient passes can save for the backward."""
+    normal ones, which the gradient passes can save for the backward; any other batch as
+    it is (a tokenizer's `BatchEncoding` stays one for a loss of the caller's own)."""
     if isinstance(batch, Tensor):
         return batch.clone() if batch.is_inference() else batch
-    if isinstance(batch, Mapping):
-        return {k: _outside_inference(v) for k, v in batch.items()}
-    return batch
+    inference = isinstance(batch, Mapping) and any(
+        isinstance(v, Tensor) and v.is_inference() for v in batch.values()
+    )
+    return {k: _outside_inference(v) for k, v in batch.items()} if inference else batch
 
 
 def _checked_loss(value: Any, ran: bool) -> Tensor:
