@@ -279,6 +279,8 @@ def test_files_bases_and_manifest(study, series_dir):
     assert set(manifest["weights_hashes"]) == {str(s) for s in STEPS}
     assert manifest["library"].startswith("tangentlens ")
     assert manifest["timings"]["total_s"] > 0
+    used = manifest["probe_set"]  # the heads read the first sequences, at most the set
+    assert used["head_sequences"] == min(cfg.head_sequences, used["n_sequences"])
     for k in (2, 4):
         bases = BasisSet.load(out / "bases" / f"rank{k}.safetensors")
         inputs = {f"blocks.{layer}.{n}" for layer in range(2) for n in INPUT_HOOKS}

@@ -155,6 +155,7 @@ class Study:
             "probe_set": {
                 "n_sequences": int(tokens.shape[0]),
                 "seq_len": int(tokens.shape[1]),
+                "head_sequences": min(cfg.head_sequences, int(tokens.shape[0])),  # the first
                 "tokens_hash": tensor_hash({"tokens": tokens}),
                 "corpus_tokens": int(counts.sum()),
             },
