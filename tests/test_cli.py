@@ -17,7 +17,7 @@ import pytest
 from models import hf_folder
 
 from tangentlens.cli import demo as demo_module
-from tangentlens.cli import main
+from tangentlens.cli import main, workflows
 from tangentlens.core.errors import ResumeRefusedError, UsageError
 from tangentlens.report import Claim
 from tangentlens.report.claims import VERDICTS
@@ -168,6 +168,31 @@ def test_probe_on_a_tiny_local_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert notes == ["--tokens 250: 224 probed, in blocks of 32"]  # whole blocks, said
 
 
+def test_a_probe_rerun_stopped_after_its_table_leaves_nothing_of_the_old_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe rerun that replaces the table and stops right after: the old page, figures,
+    bases and manifest went first, so none lies beside the new table."""
+    out = tmp_path / "probe"
+    argv = ["probe", "--model", str(hf_folder("llama")), "--out", str(out), *PROBE_TINY]
+    assert main(argv) == 0
+    assert (out / "report.html").is_file() and list((out / "figures").glob("*.png"))
+
+    write = workflows.results.write
+
+    def stop(*args: object) -> None:
+        write(*args)
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(workflows.results, "write", stop)
+    assert main(argv) == 1  # a crash, reported as one
+    assert (out / "results.csv").is_file()
+    assert not [p for p in out.rglob("*") if p.is_file() and p.suffix in (".html", ".png")]
+    assert not (out / "manifest.json").exists() and not list((out / "bases").iterdir())
+    monkeypatch.undo()
+    assert main(argv) == 0 and (out / "report.html").is_file()
+
+
 def test_probe_on_the_real_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`probe --model smollm2-135m` offline: the bundled real model, two of its 30 layers."""
     out = tmp_path / "smol"
@@ -204,7 +229,9 @@ def test_demo_prints_each_claim_from_the_typed_claims(
     assert "3 [2, 4]" in printed[at + 1] and "p 0.01, Holm-adjusted 0.04" in printed[at + 1]
 
 
-def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_demo_then_train_study_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`demo --quick --seeds 0,1` end to end: a decoder and an encoder per seed, each a
     full study folder, one probe set per kind, the verdicts and the seeds in summary.json
     and an overview page; then `train`, `study` and `report` on a decoder seed's folders
@@ -275,6 +302,16 @@ def test_demo_then_train_study_report(tmp_path: Path, capsys: pytest.CaptureFixt
         assert mine[mine["probe"] == "window"]["value"].tolist() == (
             demo[demo["probe"] == "window"]["value"].tolist()
         )
+
+    # a rerun stopped at seed 0's page: the old claims and overview went first
+    def stop(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(workflows, "write_report", stop)
+    assert main(["study", "--quick", "--checkpoints", *seeds, "--out", str(both), "-q"]) == 1
+    monkeypatch.undo()
+    assert not (both / "summary.json").exists() and not (both / "report.html").exists()
+    assert main(["report", str(both), "-q"]) == 2 and "summary.json" in capsys.readouterr().err
     # seeds of two designs: refused before any study, naming the series and the setting
     mixed = [ckpt, str(out / "encoder" / "seed1" / "checkpoints")]
     assert main(["study", "--quick", "--checkpoints", *mixed, "--out", str(tmp_path / "mix")]) == 2
@@ -369,3 +406,10 @@ def test_a_demo_refused_a_resume_names_its_own_fixes(
         demo_module.demo(tmp_path / "d", quick=True, workers=1, progress=False)
     assert str(tmp_path / "d" / "decoder" / "seed0" / "checkpoints") in str(err.value)
     assert not isinstance(err.value, ResumeRefusedError)
+    # a rerun retires the claims and the page of the tables it is about to replace
+    for name in ("summary.json", "report.html"):
+        (tmp_path / "d" / name).write_text("the claims of the old tables")
+    with pytest.raises(UsageError, match="new --out"):
+        demo_module.demo(tmp_path / "d", quick=True, workers=1, progress=False)
+    assert not (tmp_path / "d" / "summary.json").exists()
+    assert not (tmp_path / "d" / "report.html").exists()

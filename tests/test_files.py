@@ -29,6 +29,7 @@ from tangentlens.core.files import (
     atomic_folder,
     atomic_write,
     read_json,
+    retire,
     write_text,
 )
 from tangentlens.core.folders import lock_folder
@@ -329,6 +330,16 @@ def test_a_manifest_of_the_wrong_type_is_one_line(
     (written / "manifest.json").write_text("[1, 2, 3]\n")
     line = _error(["report", str(written)], capsys)
     assert str(written / "manifest.json") in line and "JSON array" in line, line
+
+
+def test_retire_deletes_the_files_its_patterns_match_and_nothing_else(tmp_path: Path) -> None:
+    (tmp_path / "figures" / "nested").mkdir(parents=True)
+    for name in ("report.html", "results.csv", "figures/a.png", "figures/notes.txt"):
+        (tmp_path / name).write_text(name)
+    (tmp_path / "figures" / "gone.png").symlink_to(tmp_path / "missing.png")  # dangling
+    retire(tmp_path, ("report.html", "figures/*.png", "summary.json", "figures/nested"))
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    assert left == ["figures", "figures/nested", "figures/notes.txt", "results.csv"]
 
 
 def test_a_failed_write_names_the_file_it_makes_not_its_temporary(tmp_path: Path) -> None:

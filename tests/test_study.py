@@ -21,14 +21,20 @@ import torch
 from tangentlens import models
 from tangentlens.core import catalogue, results
 from tangentlens.core.errors import CorruptFileError, UsageError
-from tangentlens.core.files import load_tensors, read_checked_json, save_tensors, write_checked_json
+from tangentlens.core.files import (
+    load_tensors,
+    read_checked_json,
+    save_tensors,
+    write_checked_json,
+    write_json,
+)
 from tangentlens.data import checkpoints
 from tangentlens.data.train import TrainConfig, train
 from tangentlens.hooks.sites import RESIDUAL_KINDS, Site
 from tangentlens.probes import registry, run
 from tangentlens.probes.base import Observation, Probe, Sum, row
 from tangentlens.probes.bases import BasisSet
-from tangentlens.study import Study, StudyConfig, collect
+from tangentlens.study import Study, StudyConfig, collect, pipeline
 from tangentlens.study.collect import PART_KEY, load_part
 from tangentlens.study.config import open_series
 
@@ -443,6 +449,37 @@ def test_rerun_reuses_parts_and_is_identical(study):
     assert (out / "results.csv").read_bytes() == csv
     assert {p.name: p.stat().st_mtime_ns for p in (out / "parts").iterdir()} == before
     assert json.loads((out / "manifest.json").read_text())["timings"]["resumed_checkpoints"] == 8
+
+
+def test_a_rerun_stopped_after_its_table_leaves_nothing_of_the_old_one(study, tmp_path):
+    """A rerun that replaces the table and stops before its manifest and page leaves the
+    new table alone: the old page, figures and manifest went first (never beside a table
+    they do not describe); the next rerun writes the manifest again."""
+    cfg, out, frame = study
+    copied = tmp_path / "out"
+    shutil.copytree(out, copied)
+    (copied / "report.html").write_text("the page of the replaced table")
+    (copied / "figures").mkdir()
+    (copied / "figures" / "depth_profile.png").write_bytes(b"old")
+
+    class Stopped(Exception):
+        pass
+
+    def stop(path, obj):
+        if Path(path).name == "manifest.json":
+            raise Stopped(path)
+        return write_json(path, obj)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "write_json", stop)
+        with pytest.raises(Stopped, match=r"manifest\.json"):
+            Study(cfg).run(copied)
+    pd.testing.assert_frame_equal(results.read(copied), frame)
+    left = {p.relative_to(copied).as_posix() for p in copied.rglob("*")}
+    assert not left & {"report.html", "manifest.json", "figures/depth_profile.png"}
+    assert "figures" in left  # the folder stays; only its files described the old table
+    Study(cfg).run(copied)
+    assert json.loads((copied / "manifest.json").read_text())["command"] == "study"
 
 
 def test_other_configuration_is_refused(study):

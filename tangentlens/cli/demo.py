@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..core.errors import ResumeRefusedError, UsageError
-from ..core.files import remove_stale_temporaries, write_checked_json
+from ..core.files import remove_stale_temporaries, retire, write_checked_json
 from ..core.folders import lock_folder
 from ..core.settings import DEMO, DEMO_STUDY, QUICK_DEMO
 from ..core.validation import check_int, check_seeds
@@ -147,6 +147,7 @@ def demo(
         claim = {"quick": bool(quick), "seeds": list(seeds)}
         lock.claim(claim, DEMO_OUTPUTS, results=("*/seed*/results.csv",))
         remove_stale_temporaries(out)
+        retire(out, (SUMMARY_FILE, "report.html"))  # the claims of the tables to come
         if workers > 1:
             context = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(min(workers, len(kinds)), mp_context=context) as pool:

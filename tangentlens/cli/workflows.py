@@ -28,7 +28,7 @@ from torch import Tensor
 from ..core import results
 from ..core.digests import content_sha256
 from ..core.errors import MissingFileError, UsageError
-from ..core.files import remove_stale_temporaries, write_checked_json, write_json
+from ..core.files import remove_stale_temporaries, retire, write_checked_json, write_json
 from ..core.folders import lock_folder
 from ..core.settings import (
     PROBE,
@@ -83,6 +83,8 @@ __all__ = [
 
 CHECKPOINTS_DIR = "checkpoints"
 PROBE_OUTPUTS = ("results.csv", "results.json", "manifest.json", "report.html", "bases", "figures")
+PROBE_DERIVED = ("manifest.json", "report.html", "figures/*.png", "bases/*.safetensors")
+"""Retired before a probe run replaces its table (`retire`): what describes the old one."""
 SUMMARY_FILE = "summary.json"
 SEED_DIR = "seed{}"  # one run of a multi-seed design: OUT/seed{S}/
 _SEED_NAME = re.compile(r"(?:^|[-_/.])seed(\d+)$")  # runs/seed2, EleutherAI/pythia-70m-seed3
@@ -272,6 +274,7 @@ def _probe_model(
         model_factory=functools.partial(_load_model, name, backend),
         progress=progress,
     )
+    retire(out, PROBE_DERIVED)
     results.write(table, out)
     bases.save(out / "bases" / f"rank{rank}.safetensors")
     manifest = {
@@ -518,6 +521,7 @@ def run_studies(
             results=("seed*/results.csv",),
         )
         remove_stale_temporaries(out)
+        retire(out, (SUMMARY_FILE, "report.html"))  # the claims of the seeds' tables to come
         for n, (seed, cfg) in enumerate(configs.items()):
             folder = out / SEED_DIR.format(seed)
             log(f"[{n + 1}/{len(configs)}] seed {seed}: {cfg.checkpoints} → {folder}")

@@ -48,6 +48,7 @@ __all__ = [
     "read_checked_json",
     "read_json",
     "remove_stale_temporaries",
+    "retire",
     "save_tensors",
     "write_bytes",
     "write_checked_json",
@@ -239,6 +240,18 @@ def remove_stale_temporaries(folder: str | Path, patterns: Sequence[str] = TEMPO
                 Path(root, name).unlink(missing_ok=True)
                 removed += 1
     return removed
+
+
+def retire(folder: str | Path, patterns: Sequence[str]) -> None:
+    """Delete the files matching ``patterns`` (globs under ``folder``) that describe its
+    results (a page, its figures, a manifest, a summary), before those results are
+    replaced: a run stopped in between then leaves results with nothing derived from them,
+    never beside a page or summary of the results it replaced, and its rerun writes them
+    again. Only the folder's one writer calls it, once its claim on the folder stands."""
+    for pattern in patterns:
+        for path in Path(folder).glob(pattern):
+            if path.is_file() or path.is_symlink():
+                path.unlink(missing_ok=True)
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:

@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from ..core import results
 from ..core.digests import tensor_hash
 from ..core.errors import UsageError
-from ..core.files import read_json, remove_stale_temporaries, write_json
+from ..core.files import read_json, remove_stale_temporaries, retire, write_json
 from ..core.folders import FolderLock, lock_folder
 from ..core.validation import check_int
 from ..probes.distributed import launch
@@ -66,7 +66,7 @@ from .collect import (
 from .config import StudyConfig, open_series, threads
 from .probe_pass import ProbePass
 
-__all__ = ["CONFIG_FILE", "OUTPUTS", "Study"]
+__all__ = ["CONFIG_FILE", "DERIVED", "OUTPUTS", "Study"]
 
 CONFIG_FILE = "study_config.json"
 OUTPUTS = (
@@ -81,6 +81,8 @@ OUTPUTS = (
     "figures",
 )
 """What a study writes into its folder."""
+DERIVED = ("manifest.json", "report.html", "figures/*.png")
+"""What describes a study's table, retired before a run replaces the table (`retire`)."""
 _RESULTS = ("parts/step*.safetensors", "results.csv")
 
 
@@ -145,6 +147,7 @@ class Study:
         if probed:
             frame = pd.concat([frame, *(probed[i] for i in sorted(probed))], ignore_index=True)
             frame = results.frame(frame, results.COLUMNS)
+        retire(out, DERIVED)
         results.write(frame, out)
         manifest = {
             **info,
