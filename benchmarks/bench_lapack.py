@@ -1,6 +1,6 @@
 """LAPACK through scipy's and torch's wrappers (`tangentlens.core.compute`) against the
-`ctypes` layer on scipy's Cython LAPACK table that the package used before (copied below as
-the baseline; the package no longer has it).
+`ctypes` layer on scipy's Cython LAPACK table, which releases the GIL (written out below
+as the alternative measured; the package does not use it).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_lapack.py
 
@@ -33,7 +33,7 @@ REPEATS = 7
 SITES = 4
 K = 17
 
-# ---- BASELINE: the ctypes layer tangentlens.core.compute had before (GIL released) ----
+# ---- the alternative: a ctypes layer on scipy's Cython LAPACK table (GIL released) ----
 
 
 @cache
@@ -106,7 +106,7 @@ def old_tridiagonal_apply(reduction: Any, c: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-# ---- end of the baseline ----
+# ---- end of the alternative ----
 
 
 def problems(d: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
