@@ -337,9 +337,15 @@ def test_retire_deletes_the_files_its_patterns_match_and_nothing_else(tmp_path: 
     for name in ("report.html", "results.csv", "figures/a.png", "figures/notes.txt"):
         (tmp_path / name).write_text(name)
     (tmp_path / "figures" / "gone.png").symlink_to(tmp_path / "missing.png")  # dangling
-    retire(tmp_path, ("report.html", "figures/*.png", "summary.json", "figures/nested"))
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "theirs.png").write_text("a file of another folder")
+    (tmp_path / "linked").symlink_to(elsewhere, target_is_directory=True)
+    patterns = ("report.html", "figures/*.png", "summary.json", "figures/nested", "linked/*")
+    retire(tmp_path, patterns)
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
-    assert left == ["figures", "figures/nested", "figures/notes.txt", "results.csv"]
+    assert left == ["figures", "figures/nested", "figures/notes.txt", "linked", "results.csv"]
+    assert (elsewhere / "theirs.png").is_file()  # behind a linked folder: not this one's
 
 
 def test_a_failed_write_names_the_file_it_makes_not_its_temporary(tmp_path: Path) -> None:

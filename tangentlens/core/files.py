@@ -247,10 +247,13 @@ def retire(folder: str | Path, patterns: Sequence[str]) -> None:
     results (a page, its figures, a manifest, a summary), before those results are
     replaced: a run stopped in between then leaves results with nothing derived from them,
     never beside a page or summary of the results it replaced, and its rerun writes them
-    again. Only the folder's one writer calls it, once its claim on the folder stands."""
+    again. Only the folder's one writer calls it, once its claim on the folder stands.
+    Files reached through a linked folder belong to the link's target and stay."""
+    folder = Path(folder)
     for pattern in patterns:
-        for path in Path(folder).glob(pattern):
-            if path.is_file() or path.is_symlink():
+        for path in folder.glob(pattern):
+            linked = any((folder / p).is_symlink() for p in path.relative_to(folder).parents)
+            if (path.is_file() or path.is_symlink()) and not linked:
                 path.unlink(missing_ok=True)
 
 
