@@ -13,7 +13,9 @@
 3. **Analysis** (`analyse.analyse`): from the parts and bases alone, deterministic:
    ``results.csv`` / ``results.json`` (schema: `tangentlens.core.results`) and
    ``manifest.json``; `Study.run` returns the table it wrote (and keeps the manifest in
-   `Study.manifest`), so nothing is read back.
+   `Study.manifest`), so nothing is read back. A page and figures a rerun finds in the
+   folder (`tangentlens.report.write_report`'s) describe the table it replaces and are
+   deleted with the old manifest first (`DERIVED`); `tangentlens study` writes them again.
 
 Loads: a checkpoint is loaded (and hashed) once per run. The early window's models wait
 in memory until Q_T exists (the probe pass needs it, and it needs every early part), so
