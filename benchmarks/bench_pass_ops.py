@@ -1,7 +1,7 @@
 """Where the probe pass's extra time goes, by kind of operation (torch's profiler).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_pass_ops.py [--repeat 3] [--layers all]
-        [--head-null 0] [--top 12] [--each] [--plumbing N [--full-products]]
+        [--head-null 0] [--top 12] [--each] [--plumbing N]
 
 On SmolLM2-135M with the default bases of `fit_bases` (rank 16) and the four default
 probes (residual, attention, gradient, weight_gradient), one batch of 4 × 128 tokens: each
@@ -32,12 +32,11 @@ each probe alone adds. ``--plumbing N``: passes of N batches, unprofiled, interl
 the repeats (their order rotating): bare, in the session, and in the session with the
 probes' statistics stubbed (`STUBS`: their per-batch updates no-ops, the weight gradient's
 Grams zeros), so the hooks, masks, observations and the weight gradient's bookkeeping are
-timed apart from the statistics (and, with ``--full-products``, the session with torch's
-full products in place of `compute.triangle_product`, the alternative), with each kind's
-minor page faults a batch (the kernel zero-filling fresh memory;
-``THP_MEM_ALLOC_ENABLE=1`` in the environment puts torch's large CPU buffers on huge
-pages, a fault per 2 MiB instead of per 4 KiB). The profiler costs per op (FLOP counting
-is left off: it multiplies that cost), so small ops read slower under it than
+timed apart from the statistics, with each kind's minor page faults a batch (the kernel
+zero-filling fresh memory; ``THP_MEM_ALLOC_ENABLE=1`` in the environment puts torch's
+large CPU buffers on huge pages, a fault per 2 MiB instead of per 4 KiB). The profiler
+costs per op (FLOP counting is left off: it multiplies that cost), so small ops read
+slower under it than
 they run: compare the kinds with each other, and the pass with the unprofiled ratios.
 """
 
@@ -60,7 +59,6 @@ from torch.profiler import ProfilerActivity, profile
 
 import tangentlens.probes.weight_gradient as wg
 from tangentlens import models
-from tangentlens.core import compute, stats
 from tangentlens.probes import fit_bases, lm_loss, probe
 from tangentlens.probes.attention import AttentionProbe
 from tangentlens.probes.gradient import GradientProbe
@@ -146,24 +144,6 @@ def replayed(calls: Counter) -> dict[str, list[float]]:
 
 
 @contextlib.contextmanager
-def full_products() -> Iterator[None]:
-    """The symmetric products as torch's full product instead of `triangle_product`: the
-    scatter matrices as one plain product, the weight gradient's `syrk` mirrored after."""
-
-    def full(blocks: list[Tensor]) -> Tensor:
-        out = blocks[0] @ blocks[0].T
-        for a in blocks[1:]:
-            out.addmm_(a, a.T)
-        return out
-
-    with (
-        mock.patch.object(stats, "triangle_product", full),
-        mock.patch.object(compute, "triangle_product", lambda b: compute._mirrored(full(b))),
-    ):
-        yield
-
-
-@contextlib.contextmanager
 def stubbed() -> Iterator[None]:
     """`STUBS` in place: the hooks, masks, observations and the weight gradient's
     bookkeeping still run, the probes' statistics do not (a zero d × d Gram stands in for
@@ -226,11 +206,6 @@ def main() -> None:
         type=int,
         default=0,
         help="also N batches a pass, unprofiled: the session with its statistics stubbed",
-    )
-    ap.add_argument(
-        "--full-products",
-        action="store_true",
-        help="with --plumbing, also the session with full symmetric products",
     )
     args = ap.parse_args()
     warnings.simplefilter("ignore")
@@ -312,23 +287,17 @@ def main() -> None:
             for batch in batches:
                 bare(batch)
 
-        def session(within: Callable[[], contextlib.AbstractContextManager]) -> Callable:
+        def session(stub: bool) -> Callable[[], None]:
             def run() -> None:
                 with (
-                    within(),
+                    stubbed() if stub else contextlib.nullcontext(),
                     probe(bridge, bases, PROBES, layers=layers, head_null=args.head_null),
                 ):
                     passes()
 
             return run
 
-        runs = {
-            "bare": passes,
-            "the session": session(contextlib.nullcontext),
-            "stubbed": session(stubbed),
-        }
-        if args.full_products:
-            runs["full products"] = session(full_products)
+        runs = {"bare": passes, "the session": session(False), "stubbed": session(True)}
         times: dict[str, list[float]] = {name: [] for name in runs}
         faults: dict[str, list[int]] = {name: [] for name in runs}
         order = list(runs)
@@ -339,7 +308,7 @@ def main() -> None:
                 times[name].append(timed(run))
                 faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         print(f"{args.plumbing} batches a pass, unprofiled, over the bare (median, min-max):")
-        for name in [n for n in runs if n != "bare"]:
+        for name in ("the session", "stubbed"):
             r = [t / b for t, b in zip(times[name], times["bare"], strict=True)]
             print(f"  {name:<12} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})")
         print(

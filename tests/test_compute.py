@@ -3,8 +3,6 @@ reduction, the symmetric rank-k update and the site workers."""
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 from threadpoolctl import threadpool_info
@@ -13,7 +11,6 @@ from tangentlens.core.compute import (
     site_map,
     syrk,
     top_eigh,
-    triangle_product,
     tridiagonal_apply,
     tridiagonalize,
 )
@@ -134,8 +131,8 @@ def test_site_map_runs_one_thread_even_with_one_worker():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_syrk_is_the_symmetric_sum_of_products(dtype, threads):
-    """BLAS ``?syrk`` (one torch thread) and `triangle_product` (two) both give Σ A Aᵀ,
-    both triangles equal bit for bit, and leave their inputs as they were."""
+    """BLAS ``?syrk`` (one torch thread) and torch's product (two) both give Σ A Aᵀ, both
+    triangles equal bit for bit, and leave their inputs as they were."""
     gen = torch.Generator().manual_seed(0)
     blocks = [torch.randn(9, k, generator=gen, dtype=dtype) for k in (5, 1, 13)]
     kept = [b.clone() for b in blocks]
@@ -157,21 +154,3 @@ def test_syrk_is_the_symmetric_sum_of_products(dtype, threads):
         assert torch.equal(copied, viewed)
     scale = tol * float(copied.abs().max())
     torch.testing.assert_close(copied, viewed, rtol=0, atol=scale)
-
-
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 8, 577])
-def test_triangle_product_is_the_full_product_from_a_third_fewer_flops(n):
-    """The products of the row blocks on and above the diagonal, mirrored: Σ A Aᵀ at any
-    size (fewer rows than blocks included), symmetric bit for bit, each entry the dot
-    product a full product computes, from 6 of the 9 block products."""
-    gen = torch.Generator().manual_seed(n)
-    blocks = [torch.randn(n, k, generator=gen, dtype=torch.float64) for k in (7, 3)]
-    got = triangle_product(blocks)
-    assert got.shape == (n, n) and torch.equal(got, got.T)
-    want = sum(b @ b.T for b in blocks)
-    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-13)
-    calls = []
-    with mock.patch.object(torch.Tensor, "__matmul__", lambda a, b: calls.append(1) or a.mm(b)):
-        triangle_product(blocks[:1])
-    parts = len(range(0, n, max(1, -(-n // 3))))  # three blocks of rows, or fewer
-    assert len(calls) == parts * (parts + 1) // 2  # the blocks on and above the diagonal

@@ -23,9 +23,8 @@ hold the GIL for the whole call, so two workers' ``dsyevr`` or ``dsytrd`` take t
 rest of a site's work (torch) runs side by side.
 
 `syrk` is the symmetric sum of products Σ A Aᵀ, exactly symmetric (BLAS ``?syrk`` through
-scipy on one torch thread, `triangle_product` otherwise: the products of row blocks on and
-above the diagonal, mirrored); the weight-gradient probe forms its per-pass Grams with it,
-`tangentlens.core.stats` its scatter matrices with `triangle_product`.
+scipy on one torch thread, torch's product otherwise); the weight-gradient probe forms its
+per-pass Grams with it.
 """
 
 from __future__ import annotations
@@ -49,14 +48,12 @@ __all__ = [
     "syrk",
     "threads",
     "top_eigh",
-    "triangle_product",
     "tridiagonal_apply",
     "tridiagonalize",
 ]
 
 T = TypeVar("T")
 R = TypeVar("R")
-TRIANGLE_PARTS = 3  # row blocks of `triangle_product`: more make each product too small
 
 
 @contextmanager
@@ -100,34 +97,19 @@ def syrk(blocks: Sequence[Tensor]) -> Tensor:
     """Σ_b A_b A_bᵀ over the 2-D ``blocks`` (one dtype, float32 or float64, same row
     count), symmetric bit for bit. With one torch thread on CPU, BLAS ``?syrk`` (scipy,
     one BLAS thread): one triangle, half the flops. With more threads, or on another
-    device, `triangle_product` on torch's threads (BLAS threads of scipy's own would
-    contend with torch's pool for the cores; `benchmarks/bench_syrk.py`,
-    docs/PERFORMANCE.md)."""
-    if blocks[0].device.type == "cpu" and torch.get_num_threads() == 1:
-        return _mirrored(_blas_syrk(blocks))
-    return triangle_product(blocks)
+    device, torch's full product: on two threads it is the faster of the two at the
+    weight-gradient fold's sizes, and BLAS threads of scipy's own would contend with
+    torch's pool for the cores (`benchmarks/bench_syrk.py`, docs/PERFORMANCE.md)."""
+    one_thread = blocks[0].device.type == "cpu" and torch.get_num_threads() == 1
+    return _mirrored(_blas_syrk(blocks) if one_thread else _product(blocks))
 
 
-def triangle_product(blocks: Sequence[Tensor]) -> Tensor:
-    """Σ_b A_b A_bᵀ, symmetric bit for bit, from the products of `TRIANGLE_PARTS` row
-    blocks on and above the diagonal only (6 of 9: two thirds of a full product's flops),
-    each a plain torch product, mirrored below; a diagonal block's lower triangle is its
-    upper one's mirror. Each entry is the same dot product a full product computes."""
+def _product(blocks: Sequence[Tensor]) -> Tensor:
+    """Σ A Aᵀ by torch's matrix product, both triangles."""
     first = blocks[0]
-    n = first.shape[0]
-    step = max(1, -(-n // TRIANGLE_PARTS))
-    parts = [slice(i, min(i + step, n)) for i in range(0, n, step)]
-    out = first.new_empty(n, n)
-    for i, rows in enumerate(parts):
-        for cols in parts[i:]:
-            block = first[rows] @ first[cols].T
-            for a in blocks[1:]:
-                block.addmm_(a[rows], a[cols].T)
-            if cols == rows:
-                block = _mirrored(block)
-            else:
-                out[cols, rows] = block.T
-            out[rows, cols] = block
+    out = first @ first.T
+    for a in blocks[1:]:
+        out.addmm_(a, a.T)
     return out
 
 

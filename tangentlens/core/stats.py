@@ -40,7 +40,6 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-from .compute import triangle_product
 from .errors import CorruptFileError, UsageError
 from .validation import check_int
 
@@ -108,24 +107,23 @@ def in_float32_range(gram: Tensor) -> bool:
 
 def scatter_of(rows: Tensor, mean: Tensor, *, fast: bool = False) -> Tensor:
     """Σ (x − x̄)(x − x̄)ᵀ over the rows of ``rows`` (n, d) with ``mean`` x̄ (float64),
-    returned in float64, symmetric bit for bit (`compute.triangle_product`); the product in
-    float64, or with ``fast`` in `gram_dtype`: about x̄ rounded to float32 (the offset of
-    that centre corrected in float64), scaled by a power of two only where its squares
-    leave float32's range (`in_float32_range`)."""
+    returned in float64; the product in float64, or with ``fast`` in `gram_dtype`: about
+    x̄ rounded to float32 (the offset of that centre corrected in float64), scaled by a
+    power of two only where its squares leave float32's range (`in_float32_range`)."""
     work = gram_dtype(rows) if fast else torch.float64
     if work == torch.float64:
         centred = rows.to(torch.float64) - mean
-        return triangle_product([centred.T])
+        return centred.T @ centred
     centre = mean.to(work)
     centred = rows.to(work) - centre
     offset = mean - centre.to(torch.float64)  # x̄ − centre, exactly
-    gram = triangle_product([centred.T])
+    gram = centred.T @ centred
     if in_float32_range(gram):
         gram = gram.to(torch.float64)
     else:
         scale = unit_scale(centred)
         centred.mul_(scale)
-        gram = triangle_product([centred.T]).to(torch.float64).mul_(scale.to(torch.float64) ** -2)
+        gram = (centred.T @ centred).to(torch.float64).mul_(scale.to(torch.float64) ** -2)
     return gram.addr_(offset, offset, alpha=-rows.shape[0])  # in place: d × d passes cost
 
 
