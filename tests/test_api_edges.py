@@ -19,7 +19,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from tangentlens.analysis.interventions import head_effects
 from tangentlens.core.errors import BasisSiteWarning, UsageError
 from tangentlens.hooks.nnsight import trace_moments
+from tangentlens.hooks.sites import Site
 from tangentlens.probes import fit_bases, lm_loss, probe, run
+from tangentlens.probes.residual import ResidualProbe
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +113,21 @@ def test_a_basis_moved_to_another_site_warns_in_every_probe(llama: dict[str, Any
         warnings.simplefilter("error", BasisSiteWarning)
         _run(llama, [llama["ids"]], ("residual", "gradient"))  # each basis at its own site
         run(llama["model"], [llama["ids"]], moved, ("residual",), layers=[0], progress=False)
+
+
+def test_a_probe_built_by_hand_with_a_moved_basis_warns(llama: dict[str, Any]) -> None:
+    """The session checks the bases a hand-built probe carries as it checks its own: a
+    basis at another site warns; a block's write read in the basis of the residual site
+    it lands in (as the residual probe reads writes) does not."""
+    bases = llama["bases"]
+    first = bases["blocks.0.hook_resid_pre"]
+    moved = ResidualProbe({Site(1, "resid_pre"): first})
+    with pytest.warns(BasisSiteWarning, match=r"blocks\.1\.hook_resid_pre.*blocks\.0"):
+        run(llama["model"], [llama["ids"]], None, (moved,), progress=False)
+    writes = {Site(0, "attn_out"): bases["blocks.0.hook_resid_mid"], Site(0, "resid_pre"): first}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BasisSiteWarning)
+        run(llama["model"], [llama["ids"]], None, (ResidualProbe(writes),), progress=False)
 
 
 def test_a_tagged_training_loop_has_no_empty_block(llama: dict[str, Any]) -> None:

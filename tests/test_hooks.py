@@ -9,6 +9,7 @@ from models import ALL_MODELS, padded_batch, tl_bridge, tokens
 
 from tangentlens.core.subspace import TangentBasis
 from tangentlens.hooks import KINDS, Site, get_backend, select_sites
+from tangentlens.hooks.sites import write_targets
 from tangentlens.probes import fit_bases, probe
 
 ARCH_LOSS = {"bert": lambda logits: logits.pow(2).mean()}
@@ -64,6 +65,15 @@ def test_site_errors_name_the_fix() -> None:
         Site.parse("blocks.0.attn.hook_pattern")
     with pytest.raises(TypeError):
         Site.parse(3)
+
+
+def test_a_write_lands_in_the_residual_sites_after_it() -> None:
+    assert write_targets(Site(2, "attn_out")) == [
+        Site(2, "resid_mid"),
+        Site(2, "resid_post"),
+        Site(3, "resid_pre"),
+    ]
+    assert write_targets(Site(2, "mlp_out")) == [Site(2, "resid_post"), Site(3, "resid_pre")]
 
 
 def test_select_sites_names_filter_vocabulary() -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "Site",
     "missing_site_error",
     "select_sites",
+    "write_targets",
 ]
 
 KINDS = (
@@ -124,6 +125,14 @@ class Site:
 
     def __str__(self) -> str:
         return self.hook_name if self.head is None else f"{self.hook_name}[head={self.head}]"
+
+
+def write_targets(write: Site) -> list[Site]:
+    """The residual sites a block's write (attn_out, mlp_out) lands in, nearest first: the
+    attention write in resid_mid, both in resid_post and the next layer's resid_pre (which
+    a last layer does not have)."""
+    targets = [Site(write.layer, "resid_post"), Site(write.layer + 1, "resid_pre")]
+    return [Site(write.layer, "resid_mid"), *targets] if write.kind == "attn_out" else targets
 
 
 def select_sites(available: Iterable[Site], names_filter: NamesFilter = None) -> list[Site]:

@@ -14,7 +14,7 @@ from ..core.files import load_tensors, save_tensors
 from ..core.stats import Moments
 from ..core.subspace import TangentBasis
 from ..hooks.families import unwrap
-from ..hooks.sites import KINDS, Site
+from ..hooks.sites import KINDS, WRITE_KINDS, Site, write_targets
 
 __all__ = [
     "BasisSet",
@@ -136,8 +136,10 @@ def as_bases(bases: Mapping[str | Site, TangentBasis] | None) -> dict[Site, Tang
 
 
 def _misplaced(used: Mapping[Site, TangentBasis]) -> list[tuple[Site, Site]]:
-    """(site, the site its basis records it was fitted at) wherever the two differ; bases
-    without a readable recorded site are trusted."""
+    """(site, the site its basis records it was fitted at) wherever the basis belongs to
+    neither that site nor, for a block's write, a residual site the write lands in (the
+    residual probe reads a write in that basis); bases without a readable recorded site
+    are trusted."""
     out = []
     for site, basis in used.items():
         fitted = basis.provenance.get("site")
@@ -145,8 +147,10 @@ def _misplaced(used: Mapping[Site, TangentBasis]) -> list[tuple[Site, Site]]:
             fitted_site = None if fitted is None else Site.parse(fitted).without_head()
         except (UsageError, TypeError):
             fitted_site = None
-        if fitted_site is not None and fitted_site != site.without_head():
-            out.append((site.without_head(), fitted_site))
+        site = site.without_head()
+        own = [site, *(write_targets(site) if site.kind in WRITE_KINDS else [])]
+        if fitted_site is not None and fitted_site not in own:
+            out.append((site, fitted_site))
     return out
 
 

@@ -46,7 +46,7 @@ from ..core.stats import Moments, state_dtype
 from ..core.subspace import TangentBasis, shares
 from ..core.uncertainty import jackknife_interval, share_intervals
 from ..core.validation import check_int
-from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site
+from ..hooks.sites import RESIDUAL_KINDS, WRITE_KINDS, Site, write_targets
 from .base import MomentProbe, Observation, Sum, ci_columns, energy_sums, row
 from .registry import Plan, ProbeSpec, register
 
@@ -64,11 +64,7 @@ def write_basis_site(write: Site, bases: Mapping[Site, object], n_layers: int) -
     """The residual site whose basis measures ``write`` (see the module docstring)."""
     if write.kind not in WRITE_KINDS:
         raise UsageError(f"write must be an attn_out or mlp_out site; got {write}.")
-    candidates = [Site(write.layer, "resid_post")]
-    if write.kind == "attn_out":
-        candidates.insert(0, Site(write.layer, "resid_mid"))
-    if write.layer + 1 < n_layers:
-        candidates.append(Site(write.layer + 1, "resid_pre"))
+    candidates = [c for c in write_targets(write) if c.layer < n_layers]
     return next((c for c in candidates if c in bases), None)
 
 

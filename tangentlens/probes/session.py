@@ -140,15 +140,20 @@ class ProbeSession:
             if p.name in self.probes:
                 raise UsageError(f"two probes are named {p.name!r}; give each a distinct name.")
             self.probes[p.name] = p
-        # a basis given at a site another than it was fitted at, where a probe reads it (the
-        # attention probe, which may also be built by hand, warns for its own sites)
-        read = {
-            s.without_head()
-            for p in self.probes.values()
-            if not isinstance(p, AttentionProbe)
-            for s in (*p.forward_sites, *p.backward_sites)
-        }
-        warn_basis_sites({s: b for s, b in self.bases.items() if s in read}, stacklevel=4)
+        # a basis given at a site another than it was fitted at, where a probe reads it, or
+        # carried so by a probe built by hand (the attention probe warns for its own sites)
+        others = [p for p in self.probes.values() if not isinstance(p, AttentionProbe)]
+        read = {s.without_head() for p in others for s in (*p.forward_sites, *p.backward_sites)}
+        used = {s: b for s, b in self.bases.items() if s in read}
+        for p in own:
+            carried = getattr(p, "bases", None)
+            if not isinstance(p, AttentionProbe) and isinstance(carried, Mapping):
+                used |= {
+                    s: b
+                    for s, b in carried.items()
+                    if isinstance(s, Site) and isinstance(b, TangentBasis)
+                }
+        warn_basis_sites(used, stacklevel=4)
         self.leaves: list[Tensor] | None = None
         self._handles: list[Handle] = []
         self._mask: Tensor | None = None
