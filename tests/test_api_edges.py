@@ -124,6 +124,11 @@ def test_a_probe_built_by_hand_with_a_moved_basis_warns(llama: dict[str, Any]) -
     moved = ResidualProbe({Site(1, "resid_pre"): first})
     with pytest.warns(BasisSiteWarning, match=r"blocks\.1\.hook_resid_pre.*blocks\.0"):
         run(llama["model"], [llama["ids"]], None, (moved,), progress=False)
+    # a misplaced basis of the session's stays named beside a hand-built probe's own
+    right = ResidualProbe({Site(1, "resid_pre"): bases["blocks.1.hook_resid_pre"]})
+    session_moved = {"blocks.1.hook_resid_pre": first}
+    with pytest.warns(BasisSiteWarning, match=r"blocks\.1\.hook_resid_pre.*blocks\.0"):
+        run(llama["model"], [llama["ids"]], session_moved, ("gradient", right), progress=False)
     writes = {Site(0, "attn_out"): bases["blocks.0.hook_resid_mid"], Site(0, "resid_pre"): first}
     with warnings.catch_warnings():
         warnings.simplefilter("error", BasisSiteWarning)

@@ -178,6 +178,7 @@ def test_a_probe_rerun_stopped_after_its_table_leaves_nothing_of_the_old_run(
     assert main(argv) == 0
     assert (out / "report.html").is_file() and list((out / "figures").glob("*.png"))
 
+    (out / "figures" / "my_notes.png").write_bytes(b"not the report's")
     write = workflows.results.write
 
     def stop(*args: object) -> None:
@@ -187,7 +188,8 @@ def test_a_probe_rerun_stopped_after_its_table_leaves_nothing_of_the_old_run(
     monkeypatch.setattr(workflows.results, "write", stop)
     assert main(argv) == 1  # a crash, reported as one
     assert (out / "results.csv").is_file()
-    assert not [p for p in out.rglob("*") if p.is_file() and p.suffix in (".html", ".png")]
+    left = [p.name for p in out.rglob("*") if p.is_file() and p.suffix in (".html", ".png")]
+    assert left == ["my_notes.png"]  # the report's own figures went, nothing else
     assert not (out / "manifest.json").exists() and not list((out / "bases").iterdir())
     monkeypatch.undo()
     assert main(argv) == 0 and (out / "report.html").is_file()
@@ -303,6 +305,11 @@ def test_demo_then_train_study_report(
             demo[demo["probe"] == "window"]["value"].tolist()
         )
 
+    # a rerun refused (other options) replaces no table and keeps the claims and overview
+    other = ["study", "--quick", "--checkpoints", *seeds, "--out", str(both), "--rank", "3"]
+    assert main([*other, "-q"]) == 2 and "rank" in capsys.readouterr().err
+    assert (both / "summary.json").is_file() and (both / "report.html").is_file()
+
     # a rerun stopped at seed 0's page: the old claims and overview went first
     def stop(*args: object, **kwargs: object) -> None:
         raise RuntimeError("stopped")
@@ -406,10 +413,10 @@ def test_a_demo_refused_a_resume_names_its_own_fixes(
         demo_module.demo(tmp_path / "d", quick=True, workers=1, progress=False)
     assert str(tmp_path / "d" / "decoder" / "seed0" / "checkpoints") in str(err.value)
     assert not isinstance(err.value, ResumeRefusedError)
-    # a rerun retires the claims and the page of the tables it is about to replace
+    # a refused rerun replaces no table, so the claims and the page of the tables stay
     for name in ("summary.json", "report.html"):
-        (tmp_path / "d" / name).write_text("the claims of the old tables")
+        (tmp_path / "d" / name).write_text("the claims of the tables")
     with pytest.raises(UsageError, match="new --out"):
         demo_module.demo(tmp_path / "d", quick=True, workers=1, progress=False)
-    assert not (tmp_path / "d" / "summary.json").exists()
-    assert not (tmp_path / "d" / "report.html").exists()
+    assert (tmp_path / "d" / "summary.json").read_text() == "the claims of the tables"
+    assert (tmp_path / "d" / "report.html").is_file()

@@ -346,6 +346,9 @@ def test_retire_deletes_the_files_its_patterns_match_and_nothing_else(tmp_path: 
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
     assert left == ["figures", "figures/nested", "figures/notes.txt", "linked", "results.csv"]
     assert (elsewhere / "theirs.png").is_file()  # behind a linked folder: not this one's
+    (elsewhere / "report.html").write_text("a page")  # the folder itself reached by a link
+    retire(tmp_path / "linked", ["report.html"])
+    assert not (elsewhere / "report.html").exists()
 
 
 def test_a_failed_write_names_the_file_it_makes_not_its_temporary(tmp_path: Path) -> None:

@@ -453,14 +453,23 @@ def test_rerun_reuses_parts_and_is_identical(study):
 
 def test_a_rerun_stopped_after_its_table_leaves_nothing_of_the_old_one(study, tmp_path):
     """A rerun that replaces the table and stops before its manifest and page leaves the
-    new table alone: the old page, figures and manifest went first (never beside a table
-    they do not describe); the next rerun writes the manifest again."""
+    new table alone: the old page and manifest, and the files named in ``also_retire``
+    (figures, claims elsewhere), went first (never beside a table they do not describe);
+    nothing else did. A refused rerun retires nothing; the next rerun writes the manifest
+    again."""
     cfg, out, frame = study
     copied = tmp_path / "out"
     shutil.copytree(out, copied)
     (copied / "report.html").write_text("the page of the replaced table")
     (copied / "figures").mkdir()
-    (copied / "figures" / "depth_profile.png").write_bytes(b"old")
+    for name in ("depth_profile.png", "my_notes.png"):
+        (copied / "figures" / name).write_bytes(b"old")
+    claims = tmp_path / "summary.json"
+    claims.write_text("the claims of the replaced table")
+    also = [copied / "figures" / "depth_profile.png", claims]
+    with pytest.raises(UsageError, match="another configuration"):
+        Study(replace(cfg, zeta=0.2)).run(copied, also_retire=also)
+    assert all(p.exists() for p in also) and (copied / "report.html").exists()
 
     class Stopped(Exception):
         pass
@@ -473,11 +482,11 @@ def test_a_rerun_stopped_after_its_table_leaves_nothing_of_the_old_one(study, tm
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pipeline, "write_json", stop)
         with pytest.raises(Stopped, match=r"manifest\.json"):
-            Study(cfg).run(copied)
+            Study(cfg).run(copied, also_retire=also)
     pd.testing.assert_frame_equal(results.read(copied), frame)
-    left = {p.relative_to(copied).as_posix() for p in copied.rglob("*")}
-    assert not left & {"report.html", "manifest.json", "figures/depth_profile.png"}
-    assert "figures" in left  # the folder stays; only its files described the old table
+    assert not any(p.exists() for p in also)
+    assert not (copied / "report.html").exists() and not (copied / "manifest.json").exists()
+    assert (copied / "figures" / "my_notes.png").exists()  # not named: not the run's
     Study(cfg).run(copied)
     assert json.loads((copied / "manifest.json").read_text())["command"] == "study"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..core.errors import ResumeRefusedError, UsageError
-from ..core.files import remove_stale_temporaries, retire, write_checked_json
+from ..core.files import remove_stale_temporaries, write_checked_json
 from ..core.folders import lock_folder
 from ..core.settings import DEMO, DEMO_STUDY, QUICK_DEMO
 from ..core.validation import check_int, check_seeds
@@ -37,6 +37,7 @@ from .workflows import (
     SEED_DIR,
     SUMMARY_FILE,
     Log,
+    page_files,
     quiet,
     seed_config,
     study_config,
@@ -106,7 +107,8 @@ def _demo_kind(
         clock = time.perf_counter()
         cfg = study_config(str(ckpt), quick=quick, **({} if quick else DEMO_STUDY))
         study = Study(cfg)
-        tables[seed] = study.run(folder, progress=progress)
+        stale = [*page_files(folder), out / SUMMARY_FILE, out / "report.html"]  # and the claims
+        tables[seed] = study.run(folder, progress=progress, also_retire=stale)
         timings["study_s"] += time.perf_counter() - clock
         clock = time.perf_counter()
         title = run_title("demo", f"{kind}/{SEED_DIR.format(seed)}")
@@ -147,7 +149,6 @@ def demo(
         claim = {"quick": bool(quick), "seeds": list(seeds)}
         lock.claim(claim, DEMO_OUTPUTS, results=("*/seed*/results.csv",))
         remove_stale_temporaries(out)
-        retire(out, (SUMMARY_FILE, "report.html"))  # the claims of the tables to come
         if workers > 1:
             context = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(min(workers, len(kinds)), mp_context=context) as pool:

@@ -56,7 +56,7 @@ from ..models.loading import is_hub_id, load, quiet_transformers
 from ..probes.bases import BasisSet
 from ..probes.distributed import run_probe
 from ..probes.driver import fit_bases, run
-from ..report import write_overview, write_report
+from ..report import FIGURES, write_overview, write_report
 from ..report.claims import Claim
 from ..report.page import OVERVIEW_TITLES
 from ..report.render import render_report, run_digests
@@ -68,6 +68,7 @@ from ..version import __version__
 __all__ = [
     "CHECKPOINTS_DIR",
     "QUICK_STUDY",
+    "page_files",
     "probe_checkpoint",
     "probe_model",
     "render_report",
@@ -83,12 +84,16 @@ __all__ = [
 
 CHECKPOINTS_DIR = "checkpoints"
 PROBE_OUTPUTS = ("results.csv", "results.json", "manifest.json", "report.html", "bases", "figures")
-PROBE_DERIVED = ("manifest.json", "report.html", "figures/*.png", "bases/*.safetensors")
-"""Retired before a probe run replaces its table (`retire`): what describes the old one."""
 SUMMARY_FILE = "summary.json"
 SEED_DIR = "seed{}"  # one run of a multi-seed design: OUT/seed{S}/
 _SEED_NAME = re.compile(r"(?:^|[-_/.])seed(\d+)$")  # runs/seed2, EleutherAI/pythia-70m-seed3
 Log = Callable[[str], None]
+
+
+def page_files(folder: Path) -> list[Path]:
+    """A run's page and the figures it shows (the report's own names, nothing else in
+    ``figures/``): what a rerun retires before it replaces the run's table."""
+    return [folder / "report.html", *(folder / "figures" / f"{name}.png" for name in FIGURES)]
 
 
 def quiet(_: str) -> None:
@@ -274,7 +279,8 @@ def _probe_model(
         model_factory=functools.partial(_load_model, name, backend),
         progress=progress,
     )
-    retire(out, PROBE_DERIVED)
+    own = ["manifest.json", f"bases/rank{rank}.safetensors"]  # and the page: what it describes
+    retire(out, [*own, *(p.relative_to(out).as_posix() for p in page_files(out))])
     results.write(table, out)
     bases.save(out / "bases" / f"rank{rank}.safetensors")
     manifest = {
@@ -411,7 +417,8 @@ def run_study(
     manifest it wrote (not read back), holding the folder."""
     with lock_folder(out, "study"):
         study = Study(config)
-        table = study.run(out, world_size=world_size, progress=progress)
+        stale = page_files(Path(out))
+        table = study.run(out, world_size=world_size, progress=progress, also_retire=stale)
         write_report(table, Path(out) / "report.html", manifest=study.manifest)
     return table
 
@@ -521,13 +528,16 @@ def run_studies(
             results=("seed*/results.csv",),
         )
         remove_stale_temporaries(out)
-        retire(out, (SUMMARY_FILE, "report.html"))  # the claims of the seeds' tables to come
+        claims_files = [out / SUMMARY_FILE, out / "report.html"]  # of the seeds' old tables
         for n, (seed, cfg) in enumerate(configs.items()):
             folder = out / SEED_DIR.format(seed)
             log(f"[{n + 1}/{len(configs)}] seed {seed}: {cfg.checkpoints} → {folder}")
             with lock_folder(folder, "study"):
                 study = Study(cfg)
-                tables[seed] = study.run(folder, world_size=world_size, progress=progress)
+                stale = [*page_files(folder), *claims_files]
+                tables[seed] = study.run(
+                    folder, world_size=world_size, progress=progress, also_retire=stale
+                )
                 write_report(tables[seed], folder / "report.html", manifest=study.manifest)
             masked = (study.manifest or {}).get("objective") == "masked-token"
             kinds[seed] = "encoder" if masked else "decoder"

@@ -252,7 +252,8 @@ def retire(folder: str | Path, patterns: Sequence[str]) -> None:
     folder = Path(folder)
     for pattern in patterns:
         for path in folder.glob(pattern):
-            linked = any((folder / p).is_symlink() for p in path.relative_to(folder).parents)
+            inside = list(path.relative_to(folder).parents)[:-1]  # the last is "." itself
+            linked = any((folder / p).is_symlink() for p in inside)
             if (path.is_file() or path.is_symlink()) and not linked:
                 path.unlink(missing_ok=True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -135,30 +135,38 @@ def as_bases(bases: Mapping[str | Site, TangentBasis] | None) -> dict[Site, Tang
     return BasisSet(bases).by_site()
 
 
-def _misplaced(used: Mapping[Site, TangentBasis]) -> list[tuple[Site, Site]]:
-    """(site, the site its basis records it was fitted at) wherever the basis belongs to
-    neither that site nor, for a block's write, a residual site the write lands in (the
-    residual probe reads a write in that basis); bases without a readable recorded site
-    are trusted."""
+def _misplaced(
+    used: Mapping[Site, TangentBasis] | Iterable[tuple[Site, TangentBasis]], writes: bool
+) -> list[tuple[Site, Site]]:
+    """(site, the site its basis records it was fitted at) wherever the two differ, each
+    pair once; with ``writes``, a block's write may also read the basis of a residual site
+    it lands in (as the residual probe reads writes). Bases without a readable recorded
+    site are trusted."""
     out = []
-    for site, basis in used.items():
+    for site, basis in used.items() if isinstance(used, Mapping) else used:
         fitted = basis.provenance.get("site")
         try:
             fitted_site = None if fitted is None else Site.parse(fitted).without_head()
         except (UsageError, TypeError):
             fitted_site = None
         site = site.without_head()
-        own = [site, *(write_targets(site) if site.kind in WRITE_KINDS else [])]
-        if fitted_site is not None and fitted_site not in own:
+        own = [site, *(write_targets(site) if writes and site.kind in WRITE_KINDS else [])]
+        if fitted_site is not None and fitted_site not in own and (site, fitted_site) not in out:
             out.append((site, fitted_site))
     return out
 
 
-def warn_basis_sites(used: Mapping[Site, TangentBasis], *, stacklevel: int = 3) -> None:
+def warn_basis_sites(
+    used: Mapping[Site, TangentBasis] | Iterable[tuple[Site, TangentBasis]],
+    *,
+    stacklevel: int = 3,
+    writes: bool = False,
+) -> None:
     """One `BasisSiteWarning` naming every site whose basis says (``provenance["site"]``,
-    as `fit_bases` records it) that it was fitted at another site; bases without a
-    recorded site are trusted."""
-    wrong = [f"{site} (fitted at {fitted})" for site, fitted in _misplaced(used)]
+    as `fit_bases` records it) that it was fitted at another site (``writes``: a block's
+    write may read a residual site's basis, `_misplaced`); bases without a recorded site
+    are trusted."""
+    wrong = [f"{site} (fitted at {fitted})" for site, fitted in _misplaced(used, writes)]
     if wrong:
         warnings.warn(
             BasisSiteWarning(
@@ -222,7 +230,8 @@ def check_basis_sites(used: Mapping[Site, TangentBasis], argument: str = "bases"
     was fitted at another site: removing a part of an activation in the coordinates of
     another site's subspace measures nothing about this one."""
     wrong = [
-        f"{site.hook_name} (fitted at {fitted.hook_name})" for site, fitted in _misplaced(used)
+        f"{site.hook_name} (fitted at {fitted.hook_name})"
+        for site, fitted in _misplaced(used, writes=False)
     ]
     if wrong:
         raise UsageError(

@@ -144,16 +144,16 @@ class ProbeSession:
         # carried so by a probe built by hand (the attention probe warns for its own sites)
         others = [p for p in self.probes.values() if not isinstance(p, AttentionProbe)]
         read = {s.without_head() for p in others for s in (*p.forward_sites, *p.backward_sites)}
-        used = {s: b for s, b in self.bases.items() if s in read}
+        used = [(s, b) for s, b in self.bases.items() if s in read]
         for p in own:
             carried = getattr(p, "bases", None)
             if not isinstance(p, AttentionProbe) and isinstance(carried, Mapping):
-                used |= {
-                    s: b
+                used += [
+                    (s, b)
                     for s, b in carried.items()
                     if isinstance(s, Site) and isinstance(b, TangentBasis)
-                }
-        warn_basis_sites(used, stacklevel=4)
+                ]
+        warn_basis_sites(used, stacklevel=4, writes=True)
         self.leaves: list[Tensor] | None = None
         self._handles: list[Handle] = []
         self._mask: Tensor | None = None

@@ -13,9 +13,10 @@
 3. **Analysis** (`analyse.analyse`): from the parts and bases alone, deterministic:
    ``results.csv`` / ``results.json`` (schema: `tangentlens.core.results`) and
    ``manifest.json``; `Study.run` returns the table it wrote (and keeps the manifest in
-   `Study.manifest`), so nothing is read back. A page and figures a rerun finds in the
-   folder (`tangentlens.report.write_report`'s) describe the table it replaces and are
-   deleted with the old manifest first (`DERIVED`); `tangentlens study` writes them again.
+   `Study.manifest`), so nothing is read back. A page a rerun finds in the folder
+   describes the table it replaces and goes with the old manifest, right before the new
+   table is written (`DERIVED`, and ``also_retire``: its figures, the claims over several
+   studies); `tangentlens study` writes them again.
 
 Loads: a checkpoint is loaded (and hashed) once per run. The early window's models wait
 in memory until Q_T exists (the probe pass needs it, and it needs every early part), so
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +85,9 @@ OUTPUTS = (
     "figures",
 )
 """What a study writes into its folder."""
-DERIVED = ("manifest.json", "report.html", "figures/*.png")
-"""What describes a study's table, retired before a run replaces the table (`retire`)."""
+DERIVED = ("manifest.json", "report.html")
+"""What describes a study's table in its folder, retired before a run replaces the table
+(`retire`); `Study.run`'s ``also_retire`` names the rest (figures, claims over seeds)."""
 _RESULTS = ("parts/step*.safetensors", "results.csv")
 
 
@@ -98,9 +101,17 @@ class Study:
         self.manifest: dict[str, Any] | None = None  # of the last run, as written
 
     def run(
-        self, out_dir: str | Path, *, world_size: int = 1, progress: bool | None = None
+        self,
+        out_dir: str | Path,
+        *,
+        world_size: int = 1,
+        progress: bool | None = None,
+        also_retire: Sequence[str | Path] = (),
     ) -> pd.DataFrame:
-        """Run (or resume) the study; returns the results table."""
+        """Run (or resume) the study; returns the results table. ``also_retire``: files
+        that describe the table it replaces (its figures, the claims of several studies),
+        deleted with its page and manifest right before the new table is written, and
+        not at all when the run is refused or fails before."""
         cfg = self.config
         progress = cfg.progress if progress is None else progress
         world_size = check_int(world_size, "world_size", minimum=1)
@@ -118,7 +129,8 @@ class Study:
         )
         with lock_folder(out, "study") as lock:
             _prepare_out_dir(cfg, out, lock)
-            return self._run(series, windows, out, world_size, progress, start)
+            stale = [Path(p) for p in also_retire]
+            return self._run(series, windows, out, world_size, progress, start, stale)
 
     def _run(
         self,
@@ -128,6 +140,7 @@ class Study:
         world_size: int,
         progress: bool,
         start: float,
+        stale: list[Path],
     ) -> pd.DataFrame:
         cfg = self.config
         with threads(cfg.num_threads):
@@ -150,6 +163,8 @@ class Study:
             frame = pd.concat([frame, *(probed[i] for i in sorted(probed))], ignore_index=True)
             frame = results.frame(frame, results.COLUMNS)
         retire(out, DERIVED)
+        for path in stale:
+            retire(path.parent, [path.name])
         results.write(frame, out)
         manifest = {
             **info,
