@@ -91,7 +91,7 @@ def score_terms(
         raise UsageError(f"site must be 'attn_in' or 'resid_pre'; got {site!r}.")
     batch = {"input_ids": tokens, "attention_mask": attention_mask}
     tokens, attention_mask = unpack_batch(batch)  # checked: a mask of another shape is refused
-    warn_basis_sites({Site(layer, site): basis})
+    warn_basis_sites([(Site(layer, site), basis)])
     params = params_from_bridge(model, layer)
     norm = norm_from_bridge(model, layer) if site == "resid_pre" else None
     hook_name = f"blocks.{layer}.{'hook_resid_pre' if norm is not None else 'attn.hook_in'}"
@@ -216,7 +216,7 @@ class AttentionProbe(Probe):
                     self._sample_key(site), lambda n=params.n_heads: AttentionAccumulator(n)
                 )
                 self.add_state(self._seen_key(site), Sum)
-        warn_basis_sites({s: b for s, (b, _) in self.layers.items()}, stacklevel=4)
+        warn_basis_sites([(s, b) for s, (b, _) in self.layers.items()], stacklevel=4)
         self.writes = {layer: (s, b, w.detach()) for layer, (s, b, w) in (writes or {}).items()}
         by_layer = {s.layer: p for s, (_, p) in self.layers.items()}
         for layer, (_, basis, w_o) in self.writes.items():

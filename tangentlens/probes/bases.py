@@ -135,15 +135,13 @@ def as_bases(bases: Mapping[str | Site, TangentBasis] | None) -> dict[Site, Tang
     return BasisSet(bases).by_site()
 
 
-def _misplaced(
-    used: Mapping[Site, TangentBasis] | Iterable[tuple[Site, TangentBasis]], writes: bool
-) -> list[tuple[Site, Site]]:
+def _misplaced(used: Iterable[tuple[Site, TangentBasis]], writes: bool) -> list[tuple[Site, Site]]:
     """(site, the site its basis records it was fitted at) wherever the two differ, each
     pair once; with ``writes``, a block's write may also read the basis of a residual site
     it lands in (as the residual probe reads writes). Bases without a readable recorded
     site are trusted."""
     out = []
-    for site, basis in used.items() if isinstance(used, Mapping) else used:
+    for site, basis in used:
         fitted = basis.provenance.get("site")
         try:
             fitted_site = None if fitted is None else Site.parse(fitted).without_head()
@@ -157,15 +155,15 @@ def _misplaced(
 
 
 def warn_basis_sites(
-    used: Mapping[Site, TangentBasis] | Iterable[tuple[Site, TangentBasis]],
+    used: Iterable[tuple[Site, TangentBasis]],
     *,
     stacklevel: int = 3,
     writes: bool = False,
 ) -> None:
-    """One `BasisSiteWarning` naming every site whose basis says (``provenance["site"]``,
-    as `fit_bases` records it) that it was fitted at another site (``writes``: a block's
-    write may read a residual site's basis, `_misplaced`); bases without a recorded site
-    are trusted."""
+    """One `BasisSiteWarning` naming every site of ``used`` (site, basis pairs) whose basis
+    says (``provenance["site"]``, as `fit_bases` records it) that it was fitted at another
+    site (``writes``: a block's write may read a residual site's basis, `_misplaced`);
+    bases without a recorded site are trusted."""
     wrong = [f"{site} (fitted at {fitted})" for site, fitted in _misplaced(used, writes)]
     if wrong:
         warnings.warn(
@@ -231,7 +229,7 @@ def check_basis_sites(used: Mapping[Site, TangentBasis], argument: str = "bases"
     another site's subspace measures nothing about this one."""
     wrong = [
         f"{site.hook_name} (fitted at {fitted.hook_name})"
-        for site, fitted in _misplaced(used, writes=False)
+        for site, fitted in _misplaced(used.items(), writes=False)
     ]
     if wrong:
         raise UsageError(

@@ -145,14 +145,9 @@ class ProbeSession:
         others = [p for p in self.probes.values() if not isinstance(p, AttentionProbe)]
         read = {s.without_head() for p in others for s in (*p.forward_sites, *p.backward_sites)}
         used = [(s, b) for s, b in self.bases.items() if s in read]
-        for p in own:
-            carried = getattr(p, "bases", None)
-            if not isinstance(p, AttentionProbe) and isinstance(carried, Mapping):
-                used += [
-                    (s, b)
-                    for s, b in carried.items()
-                    if isinstance(s, Site) and isinstance(b, TangentBasis)
-                ]
+        carried = [getattr(p, "bases", None) for p in own if not isinstance(p, AttentionProbe)]
+        pairs = [pair for c in carried if isinstance(c, Mapping) for pair in c.items()]
+        used += [(s, b) for s, b in pairs if isinstance(s, Site) and isinstance(b, TangentBasis)]
         warn_basis_sites(used, stacklevel=4, writes=True)
         self.leaves: list[Tensor] | None = None
         self._handles: list[Handle] = []
@@ -422,12 +417,16 @@ class ProbeSession:
             step = check_int(step, "step", minimum=0)
         key = (None if label is None else str(label), step)
         if key != self._tag:
-            if not self._tag_empty or any(p.loaded for p in self.probes.values()):
+            if not self._untouched:
                 self._saved[self._tag] = self._state()  # an untouched block makes no rows
             state = self._saved.pop(key, None)
             self._load(state)
             self._tag, self._tag_empty = key, state is None
         return self
+
+    @property
+    def _untouched(self) -> bool:  # the tag's block: no pass since it began, nothing loaded
+        return self._tag_empty and not any(p.loaded for p in self.probes.values())
 
     def reset(self) -> ProbeSession:
         """Forget every statistic and tag (the hooks stay); returns the session."""
@@ -474,8 +473,7 @@ class ProbeSession:
         progress = self.progress if progress is None else bool(progress)
         for p in self.probes.values():
             p.progress = progress
-        untouched = self._tag_empty and not any(p.loaded for p in self.probes.values())
-        live = () if untouched and self._saved else (self._tag,)  # an empty block: no rows
+        live = () if self._untouched and self._saved else (self._tag,)  # empty: no rows
         tags = [k for k in (*self._saved, *live) if tag in (None, k[0]) and step in (None, k[1])]
         if not tags:
             known = ", ".join(f"tag={k[0]!r} step={k[1]!r}" for k in (*self._saved, self._tag))
