@@ -37,6 +37,7 @@ from .workflows import (
     SEED_DIR,
     SUMMARY_FILE,
     Log,
+    overview_files,
     page_files,
     quiet,
     seed_config,
@@ -107,7 +108,7 @@ def _demo_kind(
         clock = time.perf_counter()
         cfg = study_config(str(ckpt), quick=quick, **({} if quick else DEMO_STUDY))
         study = Study(cfg)
-        stale = [*page_files(folder), out / SUMMARY_FILE, out / "report.html"]  # and the claims
+        stale = [*page_files(folder), *overview_files(out)]
         tables[seed] = study.run(folder, progress=progress, also_retire=stale)
         timings["study_s"] += time.perf_counter() - clock
         clock = time.perf_counter()

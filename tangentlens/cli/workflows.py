@@ -68,6 +68,7 @@ from ..version import __version__
 __all__ = [
     "CHECKPOINTS_DIR",
     "QUICK_STUDY",
+    "overview_files",
     "page_files",
     "probe_checkpoint",
     "probe_model",
@@ -94,6 +95,12 @@ def page_files(folder: Path) -> list[Path]:
     """A run's page and the figures it shows (the report's own names, nothing else in
     ``figures/``): what a rerun retires before it replaces the run's table."""
     return [folder / "report.html", *(folder / "figures" / f"{name}.png" for name in FIGURES)]
+
+
+def overview_files(folder: Path) -> list[Path]:
+    """The claims over several runs and their overview page: what a rerun retires before
+    it replaces any of those runs' tables."""
+    return [folder / SUMMARY_FILE, folder / "report.html"]
 
 
 def quiet(_: str) -> None:
@@ -528,13 +535,12 @@ def run_studies(
             results=("seed*/results.csv",),
         )
         remove_stale_temporaries(out)
-        claims_files = [out / SUMMARY_FILE, out / "report.html"]  # of the seeds' old tables
         for n, (seed, cfg) in enumerate(configs.items()):
             folder = out / SEED_DIR.format(seed)
             log(f"[{n + 1}/{len(configs)}] seed {seed}: {cfg.checkpoints} → {folder}")
             with lock_folder(folder, "study"):
                 study = Study(cfg)
-                stale = [*page_files(folder), *claims_files]
+                stale = [*page_files(folder), *overview_files(out)]
                 tables[seed] = study.run(
                     folder, world_size=world_size, progress=progress, also_retire=stale
                 )
